@@ -1,0 +1,32 @@
+"""nbshard: run FSDP and DDP training from a Jupyter notebook in fresh torchrun-style processes.
+
+``import nbshard`` imports no torch: the kernel never needs a GPU.
+"""
+
+from __future__ import annotations
+
+from nbshard.client import JobHandle, Settings, cancel_all, jobs, run, settings, submit
+from nbshard.dist import device, init_process_group
+from nbshard.errors import JobCancelled, JobError, JobFailed, JobTimedOut, RankFailure, RemoteError
+from nbshard.job import Job
+
+__all__ = [
+    "Job",
+    "JobCancelled",
+    "JobError",
+    "JobFailed",
+    "JobHandle",
+    "JobTimedOut",
+    "RankFailure",
+    "RemoteError",
+    "Settings",
+    "cancel_all",
+    "device",
+    "init_process_group",
+    "jobs",
+    "run",
+    "settings",
+    "submit",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,30 @@
+"""Backends start the ranks of a run; they know nothing else.
+
+Each backend is a callable ``start(run_dir, env, cwd) -> LauncherProcess``.
+"subprocess" (the default) runs the launcher as a child of the kernel and the
+ranks as the launcher's children. Scale-out backends would hand the same
+worker entry point to an existing engine (torchrun's agent, Ray, Slurm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from nbshard.backends.local import LauncherProcess, start_local
+from nbshard.job import RunDir
+
+__all__ = ["BACKENDS", "LauncherProcess", "get_backend"]
+
+Backend = Callable[[RunDir, Mapping[str, str], str], LauncherProcess]
+
+BACKENDS: dict[str, Backend] = {"subprocess": start_local}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown backend {name!r}; available: {', '.join(sorted(BACKENDS))}. "
+            "Use backend='subprocess' to run the ranks on this machine."
+        ) from None

@@ -1,0 +1,81 @@
+"""The "subprocess" backend: the launcher as a child of the kernel, in its own session."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import site
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from nbshard.job import RunDir
+
+__all__ = ["LauncherProcess", "start_local"]
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class LauncherProcess:
+    """The launcher of one run, seen from the kernel.
+
+    Its stdin is a pipe only the kernel holds: a byte on it asks for a cancel,
+    and its end-of-file, when the kernel dies however it dies, tells the
+    launcher to stop every rank. No ``preexec_fn`` (unsafe in the threaded
+    kernel) and no ``PR_SET_PDEATHSIG`` (it follows threads, not processes).
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._popen.wait(timeout)
+
+    def request(self, command: bytes) -> None:
+        """Write a command byte to the launcher (see nbshard.launcher.CANCEL and KILL)."""
+        with contextlib.suppress(BrokenPipeError, ValueError, OSError):
+            stdin = self._popen.stdin
+            if stdin is not None:
+                stdin.write(command)
+                stdin.flush()
+
+    def kill(self) -> None:
+        """SIGKILL the launcher and everything in its process group: every rank."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self._popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._popen.stdin.close()
+
+
+def _importable_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with nbshard importable, also when it runs from a source checkout."""
+    env = dict(env)
+    site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
+    if _PACKAGE_ROOT not in site_dirs:
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if _PACKAGE_ROOT not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_ROOT])
+    return env
+
+
+def start_local(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
+    with open(run_dir.launcher_log, "wb") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "nbshard.launcher", str(run_dir.path)],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_importable_env(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
+    return LauncherProcess(popen)

@@ -1,0 +1,222 @@
+"""How a run can fail, described for a person; pure.
+
+A rank's exception arrives as a JSON error file holding its frames, not only
+its text, so the kernel can rebuild a real traceback whose lines come from the
+kernel's own line cache (where the source of notebook cells lives) and IPython
+renders it exactly as a local one.
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import dataclasses
+import linecache
+import signal
+from typing import Any
+
+__all__ = [
+    "JobCancelled",
+    "JobError",
+    "JobFailed",
+    "JobTimedOut",
+    "RankFailure",
+    "RemoteError",
+    "likely_cause",
+    "remote_exception",
+    "signal_name",
+]
+
+_SIGNAL_CAUSES = {
+    "SIGKILL": "likely out of memory (the Linux OOM killer sends SIGKILL; check `dmesg`), "
+    "or it was killed from outside",
+    "SIGSEGV": "a crash in native code (a CUDA/NCCL kernel, a C extension)",
+    "SIGABRT": "native code aborted (an uncaught C++ exception or a failed CUDA/NCCL check)",
+    "SIGBUS": "shared memory ran out (often /dev/shm too small for DataLoader workers)",
+    "SIGTERM": "it was asked to stop from outside (a scheduler, a user)",
+    "SIGINT": "it was interrupted",
+}
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def likely_cause(signame: str) -> str:
+    return _SIGNAL_CAUSES.get(signame, "it was stopped by a signal")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not return a value."""
+
+    rank: int
+    time: float
+    """When it failed (the rank's clock for exceptions, the launcher's for exits)."""
+    exitcode: int | None = None
+    signal: str | None = None
+    exc_type: str | None = None
+    """Qualified name of the exception the user's code raised, e.g. ``builtins.ValueError``."""
+    message: str = ""
+    frames: tuple[dict[str, Any], ...] = ()
+    """``{"filename", "lineno", "name"}`` per frame, innermost last."""
+    traceback: str = ""
+    stopped: bool = False
+    """True when nbshard stopped this rank (after another failed, on timeout or cancel)."""
+    stacks: str = ""
+    """The rank's Python stacks (faulthandler) taken just before it was stopped."""
+
+    def describe(self) -> str:
+        if self.exc_type is not None:
+            return f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
+        if self.stopped:
+            return f"rank {self.rank} was stopped by nbshard"
+        if self.signal is not None:
+            return f"rank {self.rank} was killed by {self.signal}: {likely_cause(self.signal)}"
+        if self.exitcode == 0:
+            return (
+                f"rank {self.rank} exited with code 0 without returning: the code called "
+                "os._exit() (or exited from a thread) before the function returned"
+            )
+        return (
+            f"rank {self.rank} exited with code {self.exitcode} before returning: "
+            "the code called os._exit() or native code exited the process"
+        )
+
+    @classmethod
+    def from_error_file(cls, data: dict[str, Any]) -> RankFailure:
+        return cls(
+            rank=int(data["rank"]),
+            time=float(data["time"]),
+            exc_type=str(data["exc_type"]),
+            message=str(data["message"]),
+            frames=tuple(data.get("frames", ())),
+            traceback=str(data.get("traceback", "")),
+        )
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+class JobError(Exception):
+    """A job ended without its result: a summary, then each rank that did not return.
+
+    ``failures`` lists those ranks, the earliest failure (the root cause)
+    first; ``run_dir`` holds each rank's complete log.
+    """
+
+    def __init__(self, summary: str, failures: list[RankFailure] | tuple[RankFailure, ...] = (), run_dir: str = "") -> None:
+        self.summary = summary
+        self.failures = tuple(failures)
+        self.run_dir = run_dir
+        super().__init__(summary, self.failures, run_dir)
+
+    def __str__(self) -> str:
+        lines = [self.summary]
+        for failure in self.failures:
+            lines.append("  " + failure.describe())
+            if failure.stacks:
+                lines.append(f"  Its stacks when it was stopped:\n{_indent(failure.stacks, '    ')}")
+        if self.run_dir:
+            lines.append(f"Each rank's full log is in {self.run_dir} (handle.logs(rank)).")
+        return "\n".join(lines)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.summary, self.failures, self.run_dir))
+
+
+class JobFailed(JobError):
+    """A rank raised, was killed or exited early; the root cause comes first."""
+
+
+class JobTimedOut(JobFailed):
+    """The job ran past its ``timeout=`` and was stopped."""
+
+
+class JobCancelled(JobError, concurrent.futures.CancelledError):
+    """The job was cancelled (``handle.cancel()``, an interrupt, ``nbshard.cancel_all()``).
+
+    Also a ``concurrent.futures.CancelledError``, as a cancelled future's result raises.
+    """
+
+
+class RemoteError(Exception):
+    """An exception raised in a rank whose class the kernel does not rebuild.
+
+    Subclassed on the fly with the remote class's name and module, so the
+    traceback reads ``torch.distributed.DistBackendError: ...`` without the
+    kernel importing torch.
+    """
+
+
+def _remote_class(module: str, name: str) -> type[BaseException]:
+    return type(name, (RemoteError,), {"__module__": module, "__qualname__": name})
+
+
+def _exception_class(qualified_name: str) -> type[BaseException]:
+    module, _, name = qualified_name.rpartition(".")
+    if module == "builtins":
+        cls = getattr(builtins, name, None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls
+    return _remote_class(module or "builtins", name)
+
+
+class _Marker(Exception):
+    pass
+
+
+def _raise_marker() -> None:
+    raise _Marker
+
+
+def _traceback_entry(frame: dict[str, Any]) -> Any:
+    """A genuine traceback entry for one remote frame.
+
+    The way tblib rebuilds tracebacks: run code compiled under the frame's
+    file name that fails at its line, in a call spanning the frame's columns
+    (or the whole line, so no misleading carets are drawn). Printing it looks
+    the source up in the kernel's linecache, where IPython keeps cell sources.
+    """
+    filename, lineno = str(frame["filename"]), max(int(frame["lineno"]), 1)
+    colno, end_colno = frame.get("colno"), frame.get("end_colno")
+    if colno is None or end_colno is None or end_colno - colno < 3:
+        line = linecache.getline(filename, lineno).rstrip()
+        colno = len(line) - len(line.lstrip())
+        end_colno = max(len(line), colno + 3)
+    call = "_(" + " " * (end_colno - colno - 3) + ")"
+    text = call if colno == 0 else "(" + " " * (colno - 1) + call + ")"
+    code = compile("\n" * (lineno - 1) + text, filename, "exec")
+    name = str(frame["name"])
+    code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+    try:
+        exec(code, {"_": _raise_marker})
+    except _Marker as marker:
+        entry = marker.__traceback__.tb_next  # skip this function's own frame
+        entry.tb_next = None  # and _raise_marker's
+        return entry
+    raise RuntimeError("unreachable: the compiled code always raises")
+
+
+def remote_exception(failure: RankFailure) -> BaseException:
+    """An exception equal in type name, message and traceback to the one a rank raised."""
+    if failure.exc_type is None:
+        raise ValueError(f"rank {failure.rank} raised no exception: {failure.describe()}")
+    cls = _exception_class(failure.exc_type)
+    try:
+        exc: BaseException = cls(failure.message)
+    except Exception:  # a builtin with an unusual constructor, e.g. UnicodeDecodeError
+        exc = _remote_class("builtins", cls.__name__)(failure.message)
+    traceback = None
+    for frame in reversed(failure.frames):
+        entry = _traceback_entry(frame)
+        entry.tb_next = traceback
+        traceback = entry
+    exc.__traceback__ = traceback
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"(raised in rank {failure.rank})")
+    return exc

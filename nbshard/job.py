@@ -1,0 +1,240 @@
+"""The job spec, the run directory's layout and the environment each rank gets.
+
+Pure: nothing here starts a process or reads the machine, so every decision
+(which variables a rank sees, which files a run has) is a function a test can
+call and compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Job",
+    "RunDir",
+    "TORCHRUN_VARIABLES",
+    "launch_environment",
+    "rank_environment",
+]
+
+# What torchrun's elastic agent sets for each worker (torch/distributed/elastic/
+# agent/server/local_elastic_agent.py); Lightning's TorchElasticEnvironment and
+# Accelerate detect an external launcher from these.
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+# Variables a Jupyter kernel sets for itself (JPY_PARENT_PID, JPY_SESSION_NAME, ...).
+_KERNEL_ONLY_PREFIX = "JPY_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What to run and how: a function, its arguments and the launch options.
+
+    ``fn(*args, **kwargs)`` runs once in each of ``nproc`` fresh processes
+    that look exactly like torchrun's workers.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    nproc: int | None = None
+    """Number of ranks; None means one per visible GPU, or 1 without GPUs."""
+    gpus: Sequence[int | str] | None = None
+    """GPU indices or UUIDs the ranks see (their CUDA_VISIBLE_DEVICES); None
+    keeps the kernel's setting, ``()`` hides every GPU."""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str | None = None
+    """Working directory of the ranks; None means the caller's."""
+    timeout: float | None = None
+    """Seconds the whole job may run before it is stopped."""
+    return_all: bool = False
+    """Return a list with every rank's value instead of rank 0's."""
+    backend: str = "subprocess"
+    grace: float = 2.0
+    """Seconds between SIGTERM and SIGKILL when a job is stopped."""
+    show_ranks: Sequence[int] | None = None
+    """Ranks whose output is shown live (all when None); every log is kept."""
+    pickle_by_value: Sequence[Any] = ()
+    """Local modules to ship by value instead of importing them by name."""
+    master_port: int | None = None
+    """Port for the rendezvous; None picks a free one. A taken port is retried."""
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.fn, "__qualname__", None) or repr(self.fn)
+
+
+def _validate(job: Job) -> None:
+    if not callable(job.fn):
+        raise TypeError(f"Job.fn must be callable, got {type(job.fn).__name__}: {job.fn!r}")
+    if not isinstance(job.args, tuple):
+        raise TypeError(f"Job.args must be a tuple, got {type(job.args).__name__}")
+    if not isinstance(job.kwargs, Mapping):
+        raise TypeError(f"Job.kwargs must be a mapping, got {type(job.kwargs).__name__}")
+    if job.nproc is not None and (
+        isinstance(job.nproc, bool) or not isinstance(job.nproc, int) or job.nproc < 1
+    ):
+        raise ValueError(f"nproc must be a positive integer, got {job.nproc!r}")
+    if job.gpus is not None:
+        if isinstance(job.gpus, (str, bytes)) or not isinstance(job.gpus, Sequence):
+            raise TypeError(f"gpus must be a list of GPU indices or UUIDs, e.g. [0, 1]; got {job.gpus!r}")
+        for gpu in job.gpus:
+            if isinstance(gpu, bool) or not isinstance(gpu, (int, str)) or (
+                isinstance(gpu, int) and gpu < 0
+            ):
+                raise ValueError(f"gpus holds {gpu!r}: use non-negative indices or GPU UUID strings")
+        if len(set(map(str, job.gpus))) != len(job.gpus):
+            raise ValueError(f"gpus lists a GPU twice: {list(job.gpus)}")
+    for key, value in job.env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"env must map str to str; {key!r}: {value!r} is not (use str(value))")
+        if key in TORCHRUN_VARIABLES or key == "CUDA_VISIBLE_DEVICES":
+            option = "gpus=" if key == "CUDA_VISIBLE_DEVICES" else "nproc= / master_port="
+            raise ValueError(f"env sets {key}, which nbshard sets for each rank; use {option} instead")
+    if job.cwd is not None and not isinstance(job.cwd, (str, os.PathLike)):
+        raise TypeError(f"cwd must be a path, got {type(job.cwd).__name__}")
+    for field, value in (("timeout", job.timeout), ("grace", job.grace)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+    if not isinstance(job.backend, str):
+        raise TypeError(f"backend must be a name such as 'subprocess', got {job.backend!r}")
+    if job.show_ranks is not None and not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in job.show_ranks
+    ):
+        raise ValueError(f"show_ranks must list rank numbers, e.g. [0]; got {job.show_ranks!r}")
+    if not all(isinstance(module, types.ModuleType) for module in job.pickle_by_value):
+        raise TypeError(
+            f"pickle_by_value must list imported modules (import mymodule; pickle_by_value=[mymodule]), "
+            f"got {list(job.pickle_by_value)!r}"
+        )
+    if job.master_port is not None and not (
+        isinstance(job.master_port, int) and 0 < job.master_port < 65536
+    ):
+        raise ValueError(f"master_port must be a TCP port number (1-65535), got {job.master_port!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """The files of one run. The job, results and errors live here, not on a socket."""
+
+    path: Path
+
+    @property
+    def job(self) -> Path:
+        return self.path / "job.pkl"
+
+    @property
+    def launch(self) -> Path:
+        """JSON the launcher reads: ranks, timing, the kernel's socket."""
+        return self.path / "launch.json"
+
+    @property
+    def key(self) -> Path:
+        """The per-run HMAC key that signs every message on the wire."""
+        return self.path / "key"
+
+    @property
+    def outcome(self) -> Path:
+        """JSON the launcher writes last: how the run ended and each rank's exit."""
+        return self.path / "outcome.json"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.path / "launcher.log"
+
+    def log(self, rank: int) -> Path:
+        return self.path / f"rank-{rank}.log"
+
+    def result(self, rank: int) -> Path:
+        return self.path / f"result-{rank}.pkl"
+
+    def error(self, rank: int) -> Path:
+        return self.path / f"error-{rank}.json"
+
+    def notebook_main(self, rank: int) -> Path:
+        """The notebook's classes and functions, for spawn-started children of a rank."""
+        return self.path / f"main-{rank}.pkl"
+
+
+def launch_environment(
+    kernel_env: Mapping[str, str], *, gpus: Sequence[int | str] | None, extra: Mapping[str, str]
+) -> dict[str, str]:
+    """The environment shared by the launcher and all ranks of a job.
+
+    The kernel's environment minus Jupyter's own variables and any torchrun
+    variables it happened to have, plus the job's GPUs and extra variables.
+    """
+    env = {
+        k: v for k, v in kernel_env.items() if not k.startswith(_KERNEL_ONLY_PREFIX) and k not in TORCHRUN_VARIABLES
+    }
+    # ipykernel selects its inline plotting backend, which does not exist outside a kernel.
+    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
+        del env["MPLBACKEND"]
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def rank_environment(
+    base_env: Mapping[str, str],
+    *,
+    rank: int,
+    nproc: int,
+    master_port: int,
+    run_id: str,
+    run_dir: RunDir,
+    master_addr: str = "127.0.0.1",
+) -> dict[str, str]:
+    """The environment of one rank: ``base_env`` plus what torchrun would set."""
+    env = dict(base_env)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(nproc),
+        ROLE_NAME="default",
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_ERROR_FILE=str(run_dir.path / f"torchelastic-error-{rank}.json"),
+    )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if nproc > 1:
+        # torchrun does the same: N ranks each using every core oversubscribe the CPU.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,370 @@
+"""Supervise the ranks of one run: ``python -m nbshard.launcher RUN_DIR``.
+
+The launcher runs outside the kernel, in its own session, and imports no
+torch. It starts the ranks as its children (in its process group), reads
+their stdout and stderr at the file-descriptor level into one log per rank,
+streams the lines to the kernel, and stops every rank on the first failure,
+on cancel, on timeout and when the kernel goes away (its stdin, a pipe from
+the kernel, reaches end-of-file). It writes ``outcome.json`` last.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nbshard.files import read_json, write_json
+from nbshard.job import RunDir, rank_environment
+from nbshard.wire import Sender
+
+__all__ = ["main", "pick_port"]
+
+TICK = 0.1  # seconds between checks of exits, deadlines and open (\r) lines
+STACK_DUMP_WAIT = 0.5  # time ranks get to write their faulthandler stacks
+FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another failed
+KERNEL_GONE_GRACE = 1.0
+PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
+MAX_LINE = 10_000  # characters of one line sent live; the log keeps all
+PORT_ATTEMPTS = 3
+CANCEL, KILL = b"c", b"k"  # what the kernel writes to the launcher's stdin
+
+
+def pick_port(preferred: int | None = None) -> int:
+    """``preferred`` when it is free, else a free port chosen by the OS."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise RuntimeError("no free TCP port on this machine")
+
+
+def _visible(line: str) -> str:
+    """What a terminal shows of a line with carriage returns: its last rewrite."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
+class LineSplitter:
+    """Turns one output stream's bytes into finished lines and its open (unfinished) line."""
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = ""
+        self._sent_open: str | None = None
+
+    def feed(self, data: bytes, now: float) -> list[list[Any]]:
+        text = self._partial + self._decoder.decode(data, final=not data)
+        *finished, self._partial = text.split("\n")
+        if not data and self._partial:  # end of stream: an unterminated last line
+            finished.append(self._partial)
+            self._partial = ""
+        if len(self._partial) > 100 * MAX_LINE:  # no newline for a long time
+            finished.append(self._partial)
+            self._partial = ""
+        if finished:
+            self._sent_open = None
+        return [[now, self.stream, _visible(line)[:MAX_LINE], False] for line in finished]
+
+    def open_line(self, now: float) -> list[Any] | None:
+        """The unfinished line (a progress bar), if it changed since it was last sent."""
+        visible = _visible(self._partial)[:MAX_LINE]
+        if not visible or visible == self._sent_open:
+            return None
+        self._sent_open = visible
+        return [now, self.stream, visible, True]
+
+
+class Rank:
+    """One rank process, its pipes and its log."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.pipes = (popen.stdout, popen.stderr)
+        self.splitters = {pipe.fileno(): LineSplitter(name) for pipe, name in zip(self.pipes, ("out", "err"))}
+        self.open_fds = set(self.splitters)
+        self.returncode: int | None = None
+        self.ended_at = 0.0
+        self.ok = False
+        self.stopped = False
+        self.stack_capture: list[str] | None = None
+        self.stacks = ""
+
+    @property
+    def running(self) -> bool:
+        return self.returncode is None
+
+    def signal(self, signum: int) -> None:
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signum)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.close()
+        self.log.close()
+
+
+class Launcher:
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self.spec = read_json(run_dir.launch)
+        self.sender = Sender(self.spec["address"], run_dir.key.read_bytes())
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
+        self.ranks: list[Rank] = []
+        self.dropped: dict[int, int] = {}
+        self.notes: list[str] = []
+        self.stop_reason: str | None = None
+        self.first_failure: int | None = None
+        self.term_at = self.kill_at = float("inf")
+        self.signalled: str | None = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signalled = "cancelled"
+
+    # -- messages ---------------------------------------------------------
+
+    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0) -> None:
+        """Send without blocking; count lines the kernel was too slow to take."""
+        if rank is not None and self.dropped.get(rank):
+            notice = {"kind": "dropped", "rank": rank, "count": self.dropped[rank], "log": str(self.run_dir.log(rank))}
+            if self.sender.send(notice):
+                self.dropped[rank] = 0
+        if not self.sender.send(message) and lines:
+            self.dropped[rank] = self.dropped.get(rank, 0) + lines  # type: ignore[index]
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        self.send({"kind": "event", "event": "note", "text": text})
+
+    # -- ranks ------------------------------------------------------------
+
+    def start_ranks(self, port: int) -> None:
+        nproc = self.spec["nproc"]
+        for rank in range(nproc):
+            for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
+                stale.unlink(missing_ok=True)
+            env = rank_environment(
+                os.environ, rank=rank, nproc=nproc, master_port=port,
+                run_id=self.spec["run_id"], run_dir=self.run_dir,
+            )
+            env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "nbshard.worker", str(self.run_dir.path)],
+                env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+            proc = Rank(rank, popen, self.run_dir.log(rank))
+            for fd in proc.splitters:
+                os.set_blocking(fd, False)
+                self.selector.register(fd, selectors.EVENT_READ, proc)
+            self.ranks.append(proc)
+        self.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
+
+    def read_output(self, proc: Rank, fd: int, now: float) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if data:
+            proc.log.write(data)
+        else:
+            self.selector.unregister(fd)
+            proc.open_fds.discard(fd)
+        splitter = proc.splitters[fd]
+        if proc.stack_capture is not None and splitter.stream == "err":
+            proc.stack_capture.append(data.decode("utf-8", "replace"))
+        lines = splitter.feed(data, now)
+        if lines:
+            self.send({"kind": "lines", "rank": proc.rank, "lines": lines}, proc.rank, len(lines))
+
+    def send_open_lines(self, now: float) -> None:
+        for proc in self.ranks:
+            proc.log.flush()
+            lines = [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None]
+            if lines:
+                self.send({"kind": "lines", "rank": proc.rank, "lines": lines}, proc.rank, len(lines))
+
+    def check_exits(self) -> None:
+        for proc in self.ranks:
+            if not proc.running or proc.popen.poll() is None:
+                continue
+            proc.returncode = proc.popen.returncode
+            proc.ended_at = time.time()
+            proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
+            signame = signal.Signals(-proc.returncode).name if proc.returncode < 0 else None
+            self.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
+            if not proc.ok and self.stop_reason is None:
+                self.first_failure = proc.rank
+                self.request_stop("failed", stacks=False, grace=FAILURE_GRACE)
+
+    # -- stopping ---------------------------------------------------------
+
+    def request_stop(self, reason: str, *, stacks: bool, grace: float) -> None:
+        now = time.monotonic()
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.send({"kind": "event", "event": "stopping", "reason": reason})
+        if stacks and self.term_at == float("inf"):
+            for proc in self.ranks:
+                if proc.running:
+                    proc.stack_capture = []
+                    proc.signal(signal.SIGUSR1)
+            self.term_at = now + STACK_DUMP_WAIT
+        else:
+            self.term_at = min(self.term_at, now)
+        self.kill_at = min(self.kill_at, self.term_at + grace)
+
+    def advance_stop(self, now: float) -> None:
+        if now >= self.term_at:
+            for proc in self.ranks:
+                if proc.stack_capture is not None:
+                    proc.stacks, proc.stack_capture = "".join(proc.stack_capture), None
+                if proc.running and not proc.stopped:
+                    proc.stopped = True
+                    proc.signal(signal.SIGTERM)
+        if now >= self.kill_at:
+            for proc in self.ranks:
+                proc.signal(signal.SIGKILL)
+
+    def read_kernel_input(self, fd: int) -> None:
+        data = os.read(fd, 64)
+        if not data:  # the kernel is gone: nobody is waiting for this run
+            self.selector.unregister(fd)
+            self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
+        elif KILL in data:
+            self.request_stop("cancelled", stacks=False, grace=0)
+        elif CANCEL in data:
+            self.request_stop("cancelled", stacks=True, grace=self.spec["grace"])
+
+    # -- the loop ---------------------------------------------------------
+
+    def supervise(self, deadline: float) -> None:
+        last_tick = 0.0
+        all_ended_at: float | None = None
+        while True:
+            for key, _ in self.selector.select(TICK):
+                if key.data is None:
+                    self.read_kernel_input(key.fd)
+                else:
+                    self.read_output(key.data, key.fd, time.time())
+            now = time.monotonic()
+            if self.signalled and self.stop_reason is None:
+                self.request_stop(self.signalled, stacks=True, grace=self.spec["grace"])
+            if now >= deadline and self.stop_reason is None:
+                self.request_stop("timed_out", stacks=True, grace=self.spec["grace"])
+            if now - last_tick >= TICK:
+                last_tick = now
+                self.send_open_lines(time.time())
+            self.check_exits()
+            self.advance_stop(now)
+            if all(not p.running for p in self.ranks):
+                all_ended_at = all_ended_at or now
+                if all(not p.open_fds for p in self.ranks) or now - all_ended_at > PIPE_DRAIN_WAIT:
+                    return
+
+    def port_was_taken(self) -> bool:
+        if self.first_failure != 0 or not self.run_dir.error(0).exists():
+            return False
+        message = read_json(self.run_dir.error(0)).get("message", "")
+        return "EADDRINUSE" in message or "address already in use" in message.lower()
+
+    def run(self) -> dict[str, Any]:
+        timeout = self.spec["timeout"]
+        deadline = time.monotonic() + timeout if timeout else float("inf")
+        port = self.spec["master_port"]
+        for attempt in range(PORT_ATTEMPTS):
+            port = pick_port(port if attempt == 0 else None)
+            self.start_ranks(port)
+            self.supervise(deadline)
+            if attempt + 1 == PORT_ATTEMPTS or not self.port_was_taken():
+                break
+            self.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
+            self.reset_for_retry()
+        return self.outcome(port)
+
+    def reset_for_retry(self) -> None:
+        for proc in self.ranks:
+            for fd in proc.open_fds:
+                self.selector.unregister(fd)
+            proc.close()
+        self.ranks = []
+        self.stop_reason = self.first_failure = None
+        self.term_at = self.kill_at = float("inf")
+
+    def outcome(self, port: int) -> dict[str, Any]:
+        if self.stop_reason is None:
+            status = "succeeded" if all(p.ok for p in self.ranks) else "failed"
+        else:
+            status = self.stop_reason
+        return {
+            "status": status,
+            "first_failure": self.first_failure,
+            "master_port": port,
+            "notes": self.notes,
+            "ranks": [
+                {
+                    "rank": p.rank, "exitcode": p.returncode, "ok": p.ok, "ended": p.ended_at,
+                    "stopped": p.stopped and p.rank != self.first_failure, "stacks": p.stacks,
+                }
+                for p in self.ranks
+            ],
+        }
+
+    def close(self) -> None:
+        for proc in self.ranks:
+            proc.close()
+        _kill_process_group_except_self()
+        self.sender.close()
+
+
+def _kill_process_group_except_self() -> None:
+    """SIGKILL what the ranks left behind in this process group (e.g. DataLoader workers).
+
+    Only when the launcher leads its own group, as it does when a backend
+    starts it; called in-process by a test, the group is not ours to clean.
+    """
+    me, group = os.getpid(), os.getpgrp()
+    if group != me:
+        return
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:  # fields after "(comm)": state, ppid, pgrp
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def main(run_dir: str) -> int:
+    """Supervise the run in ``run_dir`` to its end; returns the exit code."""
+    paths = RunDir(Path(run_dir))
+    (paths.path / "launcher.pid").write_text(str(os.getpid()))
+    launcher = Launcher(paths)
+    try:
+        outcome = launcher.run()
+        write_json(paths.outcome, outcome)
+        launcher.send({"kind": "end", "status": outcome["status"]})
+    finally:
+        launcher.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

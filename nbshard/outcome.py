@@ -1,0 +1,95 @@
+"""Turn a finished run directory into the job's value or the exception that explains it."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from nbshard.errors import (
+    JobCancelled,
+    JobError,
+    JobFailed,
+    JobTimedOut,
+    RankFailure,
+    remote_exception,
+    signal_name,
+)
+from nbshard.files import read_json
+from nbshard.job import RunDir
+
+__all__ = ["collect"]
+
+
+def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFailure]:
+    """Every rank that did not return, root cause first: the earliest real failure."""
+    failures = []
+    for entry in ranks:
+        if entry["ok"]:
+            continue
+        rank, code = entry["rank"], entry["exitcode"]
+        error_file = run_dir.error(rank)
+        if error_file.exists() and not entry["stopped"]:
+            failures.append(RankFailure.from_error_file(read_json(error_file)))
+            continue
+        failures.append(
+            RankFailure(
+                rank=rank,
+                time=entry["ended"],
+                exitcode=code,
+                signal=signal_name(-code) if code is not None and code < 0 else None,
+                stopped=entry["stopped"],
+                stacks=entry["stacks"],
+            )
+        )
+    return sorted(failures, key=lambda f: (f.stopped, f.time))
+
+
+def _load_values(run_dir: RunDir, ranks: range) -> list[Any]:
+    return [pickle.loads(run_dir.result(rank).read_bytes()) for rank in ranks]
+
+
+def collect(
+    run_dir: RunDir, *, nproc: int, return_all: bool, timeout: float | None, launcher_exit: int | None
+) -> tuple[Any, JobError | None]:
+    """(value, None) for a job that succeeded, else (None, the exception to raise)."""
+    where = str(run_dir.path)
+    if not run_dir.outcome.exists():
+        how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
+        return None, JobFailed(
+            f"The nbshard launcher {how} before the job ended, so the ranks were stopped "
+            f"with it. Likely cause: it was killed from outside, or it crashed; its own log is "
+            f"{run_dir.launcher_log}.",
+            run_dir=where,
+        )
+    outcome = read_json(run_dir.outcome)
+    status = outcome["status"]
+    if status == "succeeded":
+        try:
+            values = _load_values(run_dir, range(nproc) if return_all else range(1))
+        except Exception as error:  # noqa: BLE001 - reported with its cause
+            failed = JobFailed(
+                f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "
+                "Likely cause: the value refers to a module or class the kernel cannot import. "
+                "Return plain data (dicts, lists, tensors, numbers) or import that module here.",
+                run_dir=where,
+            )
+            failed.__cause__ = error
+            return None, failed
+        return (values if return_all else values[0]), None
+    failures = _rank_failures(run_dir, outcome["ranks"])
+    exception: JobError
+    if status == "timed_out":
+        exception = JobTimedOut(
+            f"The job ran past its timeout of {timeout:g} s and was stopped. Each rank's Python "
+            "stack at that moment is below (and in its log). If it was still making progress, "
+            "raise timeout=; if a rank waits in a collective, another rank never joined it.",
+            failures, where,
+        )
+    elif status == "cancelled":
+        exception = JobCancelled("The job was cancelled and its ranks were stopped.", failures, where)
+    else:
+        first = f"on rank {failures[0].rank}" if failures else "(no rank reported why)"
+        exception = JobFailed(f"The job failed {first}.", failures, where)
+    if failures and failures[0].exc_type is not None:
+        exception.__cause__ = remote_exception(failures[0])
+    return None, exception

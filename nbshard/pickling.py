@@ -1,0 +1,175 @@
+"""Serialization of jobs (kernel to ranks) and results (ranks to kernel).
+
+Jobs use cloudpickle, so functions, classes and lambdas defined in notebook
+cells travel by value. When something cannot be pickled, the error names the
+object and the path by which it was reached (``train.__globals__['lock']``),
+before any process starts. Results move tensors to the CPU first, so loading
+a result never creates a CUDA context in the kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+from cloudpickle import cloudpickle as _cloudpickle_internals
+
+__all__ = ["describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
+
+_MAX_DEPTH = 6
+
+
+def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """(path suffix, child) pairs a pickler would visit inside ``obj``."""
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                yield f" (closure variable {name!r})", cell.cell_contents
+        for name in _global_names(code):
+            if name in obj.__globals__:
+                yield f".__globals__[{name!r}]", obj.__globals__[name]
+        for index, default in enumerate(obj.__defaults__ or ()):
+            yield f".__defaults__[{index}]", default
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"[{key!r}]", value
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for index, item in enumerate(obj):
+            yield f"[{index}]", item
+    elif isinstance(obj, (type, types.ModuleType)):
+        return
+    else:
+        state = getattr(obj, "__dict__", None)
+        if isinstance(state, dict):
+            for key, value in state.items():
+                yield f".{key}", value
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _pickle_error(obj: Any) -> Exception | None:
+    try:
+        _dumps(obj)
+    except Exception as error:  # noqa: BLE001 - any failure is what we are looking for
+        return error
+    return None
+
+
+def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
+    """The innermost part of ``obj`` that cannot be pickled, as (path, object, error)."""
+    error = _pickle_error(obj)
+    if error is None:
+        return None
+    if depth < _MAX_DEPTH:
+        for suffix, child in _children(obj):
+            found = find_unpicklable(child, path + suffix, depth + 1)
+            if found is not None:
+                return found
+    return path, obj, error
+
+
+def describe_unpicklable(found: tuple[str, Any, Exception], what: str) -> str:
+    path, obj, error = found
+    return (
+        f"{what}: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be "
+        f"pickled: {error}. Likely cause: an object tied to this process (a lock, an open "
+        "file or socket, a generator, a CUDA handle) is referenced by the function or its "
+        "arguments. What to do: create it inside the function, or pass what is needed to "
+        "build it (a path, a config)."
+    )
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's code reducer, minus its renaming of every file to ``<dynamic-code>``.
+
+    The file name is what lets the kernel show the source lines of a remote
+    traceback (IPython keeps each cell's source in linecache under it).
+    """
+    rebuild, args = _cloudpickle_internals._code_reduce(code)
+    return rebuild, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = collections.ChainMap(
+        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def _dumps(value: Any, pickler: type[cloudpickle.Pickler] = _Pickler) -> bytes:
+    buffer = io.BytesIO()
+    pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def dump_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], by_value: tuple[types.ModuleType, ...] = ()) -> bytes:
+    """The pickled ``(fn, args, kwargs)``; TypeError naming the culprit if any part cannot be."""
+    for module in by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        try:
+            return _dumps((fn, args, kwargs))
+        except Exception as error:
+            parts = [(getattr(fn, "__qualname__", "fn"), fn)]
+            parts += [(f"args[{i}]", arg) for i, arg in enumerate(args)]
+            parts += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+            for path, part in parts:
+                found = find_unpicklable(part, path)
+                if found is not None:
+                    raise TypeError(describe_unpicklable(found, "Cannot send the job to the ranks")) from error
+            raise TypeError(f"Cannot send the job to the ranks: {error}") from error
+    finally:
+        for module in by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+class _DTensorResult(TypeError):
+    pass
+
+
+class _ResultPickler(_Pickler):
+    """Moves tensors to the CPU and refuses DTensors, which only make sense across ranks."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+            if dtensor is not None and isinstance(obj, dtensor):
+                raise _DTensorResult(
+                    "the result holds a DTensor (a sharded tensor, e.g. an FSDP2 parameter), "
+                    "which means nothing outside the ranks. Gather it first with "
+                    "tensor.full_tensor() (a collective every rank must call), or return "
+                    "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+                    "cpu_offload=True)) from rank 0."
+                )
+            if obj.device.type not in ("cpu", "meta"):
+                cpu = obj.detach().cpu()
+                if isinstance(obj, torch.nn.Parameter):
+                    cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+                return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def dump_result(value: Any) -> bytes:
+    """The pickled result of a rank; TypeError naming the culprit if it cannot be pickled."""
+    try:
+        return _dumps(value, _ResultPickler)
+    except _DTensorResult as error:
+        raise TypeError(f"Cannot send the result back: {error}") from None
+    except Exception as error:
+        found = find_unpicklable(value, "the returned value")
+        if found is not None:
+            raise TypeError(describe_unpicklable(found, "Cannot send the result back")) from None
+        raise TypeError(f"Cannot send the result back: {error}") from None

@@ -1,0 +1,124 @@
+"""Messages between the launcher (and ranks) and the kernel.
+
+Every message is a JSON object sent as two frames, ``[signature, payload]``,
+where the signature is an HMAC-SHA256 of the payload under a per-run key that
+lives only in the run directory. A frame with a bad or missing signature is
+dropped and counted, never decoded. Nothing is ever unpickled from a socket:
+results and errors travel as files.
+
+Message kinds:
+
+- ``lines``: ``{"rank", "lines": [[time, stream, text, is_update], ...]}``;
+  ``is_update`` marks a ``\\r`` rewrite of the rank's current line (progress bars).
+- ``dropped``: ``{"rank", "count", "log"}``: lines not streamed live because the
+  kernel read too slowly; the log file still holds them.
+- ``event``: ``{"event", ...}``: lifecycle news from the launcher.
+- ``end``: the launcher's last message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from typing import Any
+
+import zmq
+
+__all__ = [
+    "KEY_BYTES",
+    "Receiver",
+    "Sender",
+    "decode",
+    "encode",
+    "new_key",
+]
+
+KEY_BYTES = 32
+SEND_HWM = 1000  # messages queued per peer before sends start to drop
+LINGER_MS = 2000  # how long a closing sender may spend flushing
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _sign(key: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+
+
+def encode(key: bytes, message: dict[str, Any]) -> list[bytes]:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return [_sign(key, payload), payload]
+
+
+def decode(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
+    """The message, or None when the frames are not a message signed with ``key``."""
+    if len(frames) != 2:
+        return None
+    signature, payload = frames
+    if not hmac.compare_digest(signature, _sign(key, payload)):
+        return None
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
+
+
+class Receiver:
+    """The kernel's end: one PULL socket bound on loopback for one run."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.rejected = 0
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+
+    def receive(self, timeout: float) -> list[dict[str, Any]]:
+        """Every message that arrives within ``timeout`` seconds of the first wait."""
+        messages: list[dict[str, Any]] = []
+        if not self._socket.poll(int(timeout * 1000)):
+            return messages
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            message = decode(self.key, frames)
+            if message is None:
+                self.rejected += 1
+            else:
+                messages.append(message)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+class Sender:
+    """The launcher's (or a rank's) end. Never blocks: a full queue drops and says so."""
+
+    def __init__(self, address: str, key: bytes) -> None:
+        self.key = key
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.connect(address)
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Queue ``message``; False when the queue is full and it was dropped."""
+        try:
+            self._socket.send_multipart(encode(self.key, message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Flush for at most LINGER_MS, so an exiting process never hangs on the kernel."""
+        self._socket.close()
+        self._context.term()

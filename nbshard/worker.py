@@ -1,0 +1,194 @@
+"""The entry point of each rank: ``python -m nbshard.worker RUN_DIR``.
+
+Loads the job, runs the function, writes the outcome (``result-R.pkl`` or
+``error-R.json``) atomically, then ends the process with ``os._exit`` after
+running ``atexit`` handlers and flushing, because gloo ranks otherwise abort
+at interpreter exit now and then ("terminate called without an active
+exception") after the user's code has finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+from nbshard.files import read_json, write_atomic, write_json
+from nbshard.job import RunDir
+
+__all__ = ["main"]
+
+NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this rank when the launcher dies, however it dies."""
+    launcher = int(os.environ.get("NBSHARD_LAUNCHER_PID", "0"))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if launcher and os.getppid() != launcher:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _use_kernel_path(kernel_path: list[str]) -> None:
+    """Make the notebook's import path (helper modules, sys.path edits) the rank's too."""
+    missing = [entry for entry in kernel_path if entry not in sys.path]
+    sys.path[:0] = missing
+
+
+def _notebook_objects(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Classes and functions of the notebook's ``__main__`` that the job carries."""
+    found: dict[str, Any] = {}
+    if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__":
+        found.update((k, v) for k, v in fn.__globals__.items() if not k.startswith("__"))
+        found[fn.__name__] = fn
+    pending: list[tuple[Any, int]] = [(value, 0) for value in (*args, *kwargs.values())]
+    while pending:
+        value, depth = pending.pop()
+        cls = value if isinstance(value, type) else type(value)
+        if cls.__module__ == "__main__" and "." not in cls.__qualname__:
+            found.setdefault(cls.__qualname__, cls)
+        if depth < 2:
+            if isinstance(value, dict):
+                pending += [(v, depth + 1) for v in value.values()]
+            elif isinstance(value, (list, tuple)):
+                pending += [(v, depth + 1) for v in value[:100]]
+    return found
+
+
+def _install_notebook_main(objects: dict[str, Any], path: Path) -> None:
+    """Put the notebook's names on this process's ``__main__``.
+
+    Code that pickles by reference (``torch.save(model)``, DataLoader workers)
+    looks classes up as ``__main__.Name``; here ``__main__`` is this worker, so
+    the notebook's classes must be found on it. Spawn-started children re-import
+    this module as ``__mp_main__`` and load the same names from ``path``.
+    """
+    vars(sys.modules["__main__"]).update(objects)
+    shippable = {k: v for k, v in objects.items() if getattr(v, "__module__", None) == "__main__"}
+    if shippable:
+        from nbshard.pickling import dump_result
+
+        try:
+            write_atomic(path, dump_result(shippable))
+            os.environ[NOTEBOOK_MAIN_ENV] = str(path)
+        except Exception:  # noqa: BLE001 - only spawn children would miss them
+            pass
+
+
+def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
+    frames = []
+    for frame in traceback.extract_tb(tb):
+        entry: dict[str, Any] = {"filename": frame.filename, "lineno": frame.lineno, "name": frame.name}
+        if getattr(frame, "end_lineno", None) == frame.lineno and frame.colno is not None:
+            entry.update(colno=frame.colno, end_colno=frame.end_colno)
+        frames.append(entry)
+    return frames
+
+
+def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback without this module's own frames, which only called the user's code."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
+def _write_error(run_dir: RunDir, rank: int, error: BaseException) -> None:
+    tb = _user_traceback(error.__traceback__)
+    text = "".join(traceback.format_exception(type(error), error, tb))
+    sys.stderr.write(text)
+    cls = type(error)
+    write_json(
+        run_dir.error(rank),
+        {
+            "rank": rank,
+            "time": time.time(),
+            "exc_type": f"{cls.__module__}.{cls.__qualname__}",
+            "message": str(error),
+            "frames": _frames(tb),
+            "traceback": text,
+        },
+    )
+
+
+def _run(run_dir: RunDir, rank: int) -> int:
+    from nbshard.pickling import dump_result
+
+    launch = read_json(run_dir.launch)
+    _use_kernel_path(launch["sys_path"])
+    try:
+        fn, args, kwargs = pickle.loads(run_dir.job.read_bytes())
+    except Exception as error:
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(
+                "nbshard could not load the job in this rank: it refers by name to something "
+                "not importable here. Install it in this Python environment, make it importable "
+                "from the job's cwd, or pass pickle_by_value=[module]."
+            )
+        _write_error(run_dir, rank, error)
+        return 1
+    _install_notebook_main(_notebook_objects(fn, args, kwargs), run_dir.notebook_main(rank))
+    try:
+        value = fn(*args, **kwargs)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            _write_error(run_dir, rank, stop)
+            return stop.code if isinstance(stop.code, int) else 1
+        value = None
+    except BaseException as error:  # noqa: BLE001 - every failure is reported to the kernel
+        _write_error(run_dir, rank, error)
+        return 1
+    keep = rank == 0 or launch["return_all"]
+    try:
+        write_atomic(run_dir.result(rank), dump_result(value if keep else None))
+    except Exception as error:  # noqa: BLE001
+        _write_error(run_dir, rank, error.with_traceback(None))
+        return 1
+    return 0
+
+
+def _exit(code: int) -> None:
+    """Run atexit handlers, flush, and leave without the interpreter's teardown."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream cannot be helped
+            pass
+    os._exit(code)
+
+
+def main(run_dir: str) -> int:
+    """Run this rank of the job in ``run_dir``; returns the exit code (tests call it in-process)."""
+    paths = RunDir(Path(run_dir))
+    rank = int(os.environ["RANK"])
+    _die_with_launcher()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks
+    return _run(paths, rank)
+
+
+def _restore_notebook_main() -> None:
+    path = os.environ.get(NOTEBOOK_MAIN_ENV)
+    if path:
+        globals().update(pickle.loads(Path(path).read_bytes()))
+
+
+if __name__ == "__mp_main__":  # a spawn-started child of a rank, e.g. a DataLoader worker
+    _restore_notebook_main()
+
+if __name__ == "__main__":
+    # Run the importable copy of this module so __main__ stays free for the notebook's names.
+    from nbshard.worker import _exit as exit_process
+    from nbshard.worker import main as run_rank
+
+    exit_process(run_rank(sys.argv[1]))

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import nbshard
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def nbshard_processes() -> dict[int, str]:
+    """Every live launcher and rank process on this machine, by pid."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and ("nbshard.worker" in cmdline or "nbshard.launcher" in cmdline):
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def processes_of(run_dir: Path | str) -> dict[int, str]:
+    return {pid: cmd for pid, cmd in nbshard_processes().items() if str(run_dir) in cmd}
+
+
+def wait_until_gone(run_dir: Path | str, within: float) -> dict[int, str]:
+    """The processes of ``run_dir`` still alive after ``within`` seconds (empty when all went)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = processes_of(run_dir)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own run directories, and must leave no process behind."""
+    path = tmp_path / "runs"
+    monkeypatch.setattr(nbshard.settings, "runs_dir", path)
+    monkeypatch.setenv("NBSHARD_RUNS_DIR", str(path))  # for kernels and scripts the test starts
+    yield path
+    left = wait_until_gone(path, within=5.0)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind by this test: {left}"
+
+
+class Script:
+    """A Python program playing the kernel: it imports nbshard and runs jobs."""
+
+    def __init__(self, tmp_path: Path, source: str) -> None:
+        path = tmp_path / "kernel_script.py"
+        path.write_text(textwrap.dedent(source))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+        self.process = subprocess.Popen(
+            [sys.executable, str(path)], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.output: list[str] = []  # every line read so far
+
+    def wait_for(self, marker: str, timeout: float = 60) -> str:
+        """Read output until a line contains ``marker``; returns that line."""
+        deadline = time.monotonic() + timeout
+        assert self.process.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            if marker in line:
+                return line
+        raise AssertionError(f"{marker!r} not printed within {timeout} s; output:\n{''.join(self.output)}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        """Wait for the exit; returns the exit code and the whole output."""
+        rest, _ = self.process.communicate(timeout=timeout)
+        return self.process.returncode, "".join(self.output) + rest
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate()
+
+
+@pytest.fixture
+def script(tmp_path: Path):
+    started: list[Script] = []
+
+    def start(source: str) -> Script:
+        started.append(Script(tmp_path, source))
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.kill()

@@ -1,0 +1,206 @@
+"""Tiny rank programs used as test data. Ranks import this module by name,
+as they would a helper module next to a notebook."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+
+def rank_and_value(value):
+    return int(os.environ["RANK"]) * value
+
+
+def environment():
+    return {key: os.environ.get(key) for key in sorted(os.environ)}
+
+
+def read_stdin():
+    try:
+        return input()
+    except EOFError as error:
+        return f"EOFError: {error}"
+
+
+def raise_on_rank(failing_rank, message, delay=0.0):
+    """The failing rank raises; the others wait in a collective that never completes."""
+    import torch.distributed as dist
+
+    import nbshard
+
+    nbshard.init_process_group()
+    if dist.get_rank() == failing_rank:
+        time.sleep(delay)
+        helper_that_raises(message)
+    dist.barrier()  # blocks forever: the failing rank never joins
+    return "unreachable"
+
+
+def helper_that_raises(message):
+    raise ValueError(message)
+
+
+def kill_self(rank, signum):
+    if int(os.environ["RANK"]) == rank:
+        os.kill(os.getpid(), signum)
+    time.sleep(60)
+
+
+def exit_hard(rank, code):
+    if int(os.environ["RANK"]) == rank:
+        os._exit(code)
+    time.sleep(60)
+
+
+def sleep_forever(message="working"):
+    print(message, flush=True)
+    while True:
+        time.sleep(0.1)
+
+
+def wait_in_collective():
+    """Rank 0 blocks in a barrier that rank 1 never reaches."""
+    import torch.distributed as dist
+
+    import nbshard
+
+    nbshard.init_process_group()
+    print(f"rank {dist.get_rank()} ready", flush=True)
+    if dist.get_rank() == 0:
+        dist.barrier()
+    else:
+        time.sleep(600)
+
+
+def ddp_losses(steps):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import nbshard
+
+    nbshard.init_process_group()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(64, 8, generator=data)
+    y = x @ torch.arange(8.0)[:, None]
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    # DDP keeps replicas identical: every rank must end with the same weights.
+    weights = [torch.zeros_like(model.module.weight) for _ in range(dist.get_world_size())]
+    dist.all_gather(weights, model.module.weight.detach())
+    return {"losses": losses, "replicas_equal": all(torch.equal(w, weights[0]) for w in weights)}
+
+
+def fsdp2_step():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import nbshard
+
+    nbshard.init_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    weight = model[0].weight
+    return {
+        "losses": losses,
+        "local_shape": tuple(weight.to_local().shape),
+        "full_shape": tuple(weight.full_tensor().shape),
+        "full_weight": weight.full_tensor(),  # gathered: a plain tensor travels back
+    }
+
+
+def return_dtensor():
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import nbshard
+
+    nbshard.init_process_group()
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model)
+    return model.weight
+
+
+def allreduce_sum():
+    import torch
+    import torch.distributed as dist
+
+    import nbshard
+
+    nbshard.init_process_group()
+    tensor = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def print_lines(count, width=40):
+    rank = os.environ["RANK"]
+    write = sys.stdout.write
+    for index in range(count):
+        write(f"{rank}:{index}:{'x' * width}\n")
+    sys.stdout.flush()
+    return count
+
+
+def progress_bar(steps):
+    for step in range(steps + 1):
+        sys.stderr.write(f"\rprogress {step}/{steps}")
+        sys.stderr.flush()
+        time.sleep(0.02)
+    sys.stderr.write("\n")
+    print("finished")
+
+
+def stdout_and_stderr_fd():
+    """Writes straight to file descriptors 1 and 2, as C++ and NCCL do."""
+    os.write(1, b"from fd 1\n")
+    os.write(2, b"from fd 2\n")
+
+
+def uses_port():
+    return os.environ["MASTER_PORT"]
+
+
+def install_atexit_marker(path):
+    import atexit
+
+    atexit.register(lambda: open(path, "w").write("atexit ran"))
+    return "ok"
+
+
+def terminate_checkpoint(path):
+    """Writes a checkpoint when asked to stop with SIGTERM, as Lightning can."""
+
+    def save(signum, frame):
+        with open(f"{path}.{os.environ['RANK']}", "w") as file:
+            file.write("saved on SIGTERM")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    print("ready", flush=True)
+    while True:
+        time.sleep(0.05)

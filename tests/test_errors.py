@@ -1,0 +1,83 @@
+"""Failures described for a person, and remote tracebacks rebuilt from frames."""
+
+from __future__ import annotations
+
+import linecache
+import pickle
+import traceback
+
+import pytest
+
+from nbshard.errors import JobFailed, RankFailure, RemoteError, likely_cause, remote_exception, signal_name
+
+CELL = "/tmp/ipykernel_4242/1234567.py"  # how ipykernel names cell code
+CELL_SOURCE = "def train(cfg):\n    loss = compute(cfg)\n    raise ValueError('loss is nan')\n"
+
+
+@pytest.fixture
+def cell_in_linecache():
+    # What IPython does for every executed cell: the source lives only in linecache.
+    linecache.cache[CELL] = (len(CELL_SOURCE), None, CELL_SOURCE.splitlines(True), CELL)
+    yield
+    linecache.cache.pop(CELL, None)
+
+
+def failure(**changes) -> RankFailure:
+    fields = dict(
+        rank=1, time=10.0, exc_type="builtins.ValueError", message="loss is nan",
+        frames=({"filename": CELL, "lineno": 3, "name": "train"},),
+    )
+    fields.update(changes)
+    return RankFailure(**fields)
+
+
+def test_remote_traceback_shows_the_cell_source_from_the_kernels_linecache(cell_in_linecache):
+    exc = remote_exception(failure())
+    text = "".join(traceback.format_exception(exc))
+    assert type(exc) is ValueError
+    assert f'File "{CELL}", line 3, in train' in text
+    assert "raise ValueError('loss is nan')" in text
+    assert "ValueError: loss is nan" in text
+    assert "^" not in text  # no carets pointing at the wrong columns
+
+
+def test_remote_traceback_keeps_column_ranges(cell_in_linecache):
+    frames = ({"filename": CELL, "lineno": 2, "name": "train", "colno": 11, "end_colno": 23},)
+    text = "".join(traceback.format_exception(remote_exception(failure(frames=frames))))
+    source_line, carets = text.splitlines()[2:4]
+    assert source_line.strip() == "loss = compute(cfg)"
+    assert carets.strip() == "^" * len("compute(cfg)")
+    assert source_line.index("compute") == carets.index("^")
+
+
+def test_exceptions_the_kernel_does_not_import_keep_their_names():
+    exc = remote_exception(failure(exc_type="torch.distributed.DistBackendError", message="NCCL error"))
+    assert isinstance(exc, RemoteError)
+    assert "torch.distributed.DistBackendError: NCCL error" in "".join(traceback.format_exception(exc))
+
+
+def test_builtin_exceptions_with_unusual_constructors_still_render():
+    exc = remote_exception(failure(exc_type="builtins.UnicodeDecodeError", message="bad byte"))
+    assert "UnicodeDecodeError: bad byte" in "".join(traceback.format_exception(exc))
+
+
+def test_signals_name_the_likely_cause():
+    assert signal_name(9) == "SIGKILL"
+    assert "out of memory" in likely_cause("SIGKILL")
+    killed = RankFailure(rank=0, time=1.0, exitcode=-9, signal="SIGKILL")
+    assert killed.describe().startswith("rank 0 was killed by SIGKILL: likely out of memory")
+    early = RankFailure(rank=1, time=1.0, exitcode=0)
+    assert "os._exit()" in early.describe()
+
+
+def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
+    root = failure()
+    stopped = RankFailure(rank=0, time=11.0, exitcode=-15, signal="SIGTERM", stopped=True)
+    error = JobFailed("The job failed on rank 1.", [root, stopped], "/runs/x")
+    lines = str(error).splitlines()
+    assert lines[0] == "The job failed on rank 1."
+    assert lines[1].strip() == "rank 1 raised ValueError: loss is nan"
+    assert lines[2].strip() == "rank 0 was stopped by nbshard"
+    assert "/runs/x" in lines[3]
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error)

@@ -1,0 +1,67 @@
+"""Jobs travel by value; what cannot travel is named, with the path that reached it."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import sys
+import threading
+
+import pytest
+
+from nbshard.pickling import dump_job, dump_result
+
+LOCK = threading.Lock()
+
+
+def uses_global_lock():
+    with LOCK:
+        return 1
+
+
+def test_a_global_the_function_uses_is_named():
+    this_module = sys.modules[__name__]  # by value, as cells of a notebook's __main__ travel
+    with pytest.raises(TypeError) as caught:
+        dump_job(uses_global_lock, (), {}, by_value=(this_module,))
+    message = str(caught.value)
+    assert "uses_global_lock.__globals__['LOCK']" in message
+    assert "_thread.lock" in message
+    assert "create it inside the function" in message
+
+
+def test_a_closure_variable_is_named():
+    with socket.socket() as connection:
+
+        def train():
+            return connection.fileno()
+
+        with pytest.raises(TypeError, match=r"train \(closure variable 'connection'\)"):
+            dump_job(train, (), {})
+
+
+def test_a_nested_argument_is_named():
+    config = {"optim": {"lr": 0.1, "lock": threading.Lock()}}
+    with pytest.raises(TypeError, match=r"args\[1\]\['optim'\]\['lock'\]"):
+        dump_job(print, (1, config), {})
+    with pytest.raises(TypeError, match=r"kwargs\['cfg'\]\['optim'\]\['lock'\]"):
+        dump_job(print, (), {"cfg": config})
+
+
+def test_lambdas_and_local_classes_travel_by_value():
+    class Local:
+        def __init__(self, value):
+            self.value = value
+
+    payload = dump_job(lambda cfg: Local(cfg).value * 2, (21,), {})
+    fn, args, kwargs = pickle.loads(payload)
+    assert fn(*args, **kwargs) == 42
+
+
+def test_results_keep_their_values():
+    value = {"loss": 0.5, "history": [1, 2, 3]}
+    assert pickle.loads(dump_result(value)) == value
+
+
+def test_an_unpicklable_result_is_named():
+    with pytest.raises(TypeError, match=r"the returned value\['lock'\]"):
+        dump_result({"lock": threading.Lock()})
