@@ -25,7 +25,7 @@ from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess, get_backend
 from nbshard.display import LinePrinter
 from nbshard.errors import JobError
-from nbshard.files import write_atomic, write_json
+from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.outcome import collect
 from nbshard.pickling import dump_job
@@ -35,7 +35,7 @@ __all__ = ["JobHandle", "Settings", "cancel_all", "jobs", "run", "settings", "su
 
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
-LIVE_BACKLOG = 20_000  # lines kept for a viewer; older unseen ones are counted, not kept
+LIVE_BACKLOG = 20_000  # lines kept while nobody watches; older ones are counted, not kept
 
 
 def _default_runs_dir() -> Path:
@@ -73,7 +73,10 @@ class JobHandle:
         self._paths = run_dir
         self._launcher = launcher
         self._receiver = receiver
-        self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque(maxlen=LIVE_BACKLOG)
+        self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
+        self._watching = False
+        self._unshown = 0  # lines dropped from the live backlog while nobody watched
+        self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
         self._exception: JobError | None = None
@@ -134,7 +137,7 @@ class JobHandle:
         if not 0 <= rank < self.nproc:
             raise ValueError(f"rank must be in 0..{self.nproc - 1}, got {rank}")
         path = self._paths.log(rank)
-        return path.read_text(errors="replace") if path.exists() else ""
+        return path.read_bytes().decode(errors="replace") if path.exists() else ""
 
     # -- live output -------------------------------------------------------
 
@@ -146,6 +149,9 @@ class JobHandle:
         """
         out = out or sys.stdout
         printer = LinePrinter(self.job.show_ranks)
+        self._watching = True
+        if self._unshown:
+            out.write(printer.note(f"{self._unshown} earlier lines are not shown here; handle.logs(rank) has them all"))
         try:
             while not self._done.wait(0.1):
                 self._print_live(printer, out)
@@ -160,6 +166,7 @@ class JobHandle:
                 self._done.wait()
             raise
         finally:
+            self._watching = False
             self._print_live(printer, out)
             out.write(printer.close())
             out.flush()
@@ -184,13 +191,32 @@ class JobHandle:
             rank = message["rank"]
             self._live.extend((rank, line) for line in message["lines"])
         elif kind == "dropped":
-            self._live.append((message["rank"], (
-                f"{message['count']} lines of rank {message['rank']} were not shown live because the "
-                f"kernel read too slowly; the full log is {message['log']}"
-            )))
+            self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
             self._live.append((-1, str(message["text"])))
+        if not self._watching:
+            while len(self._live) > LIVE_BACKLOG:
+                self._live.popleft()
+                self._unshown += 1
         return kind == "end"
+
+    def _note_dropped(self, rank: int, count: int) -> None:
+        self._reported_drops[rank] += count
+        self._live.append((rank, (
+            f"{count} lines of rank {rank} were not shown live because the kernel read too "
+            f"slowly; the full log is {self._paths.log(rank)}"
+        )))
+
+    def _note_unreported_drops(self) -> None:
+        """The launcher's final tally, in case its last notices could not reach the kernel."""
+        try:
+            totals = read_json(self._paths.outcome).get("dropped_lines", {})
+        except (OSError, ValueError):
+            return
+        for rank, total in totals.items():
+            missing = total - self._reported_drops[int(rank)]
+            if missing > 0:
+                self._note_dropped(int(rank), missing)
 
     def _drain(self) -> None:
         end_seen = False
@@ -213,6 +239,7 @@ class JobHandle:
             self._finish()
 
     def _finish(self) -> None:
+        self._note_unreported_drops()
         try:
             self._value, self._exception = collect(
                 self._paths, nproc=self.nproc, return_all=self.job.return_all,

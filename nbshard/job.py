@@ -211,6 +211,7 @@ def rank_environment(
     master_port: int,
     run_id: str,
     run_dir: RunDir,
+    restart_count: int = 0,
     master_addr: str = "127.0.0.1",
 ) -> dict[str, str]:
     """The environment of one rank: ``base_env`` plus what torchrun would set."""
@@ -228,7 +229,7 @@ def rank_environment(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         TORCHELASTIC_RUN_ID=run_id,
-        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
         TORCHELASTIC_MAX_RESTARTS="0",
         TORCHELASTIC_USE_AGENT_STORE="False",
         TORCHELASTIC_ERROR_FILE=str(run_dir.path / f"torchelastic-error-{rank}.json"),

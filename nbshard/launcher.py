@@ -33,8 +33,10 @@ STACK_DUMP_WAIT = 0.5  # time ranks get to write their faulthandler stacks
 FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another failed
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
+OPEN_LINE_DELAY = 0.5  # an unfinished line without \r is shown once it waited this long
 MAX_LINE = 10_000  # characters of one line sent live; the log keeps all
 PORT_ATTEMPTS = 3
+END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
 CANCEL, KILL = b"c", b"k"  # what the kernel writes to the launcher's stdin
 
 
@@ -62,11 +64,14 @@ class LineSplitter:
         self.stream = stream
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._partial = ""
+        self._partial_since = 0.0  # when the unfinished line last changed
         self._sent_open: str | None = None
 
     def feed(self, data: bytes, now: float) -> list[list[Any]]:
         text = self._partial + self._decoder.decode(data, final=not data)
-        *finished, self._partial = text.split("\n")
+        *finished, partial = text.split("\n")
+        if finished or partial != self._partial:
+            self._partial, self._partial_since = partial, now
         if not data and self._partial:  # end of stream: an unterminated last line
             finished.append(self._partial)
             self._partial = ""
@@ -78,9 +83,16 @@ class LineSplitter:
         return [[now, self.stream, _visible(line)[:MAX_LINE], False] for line in finished]
 
     def open_line(self, now: float) -> list[Any] | None:
-        """The unfinished line (a progress bar), if it changed since it was last sent."""
+        """The unfinished line, if it changed since it was last sent and is worth showing.
+
+        It is when it rewrites itself with ``\r`` (a progress bar) or has waited
+        OPEN_LINE_DELAY for its newline (``print(..., end="")``); a line merely
+        cut by a pipe read is completed long before that.
+        """
         visible = _visible(self._partial)[:MAX_LINE]
         if not visible or visible == self._sent_open:
+            return None
+        if "\r" not in self._partial and now - self._partial_since < OPEN_LINE_DELAY:
             return None
         self._sent_open = visible
         return [now, self.stream, visible, True]
@@ -126,7 +138,8 @@ class Launcher:
         self.selector = selectors.DefaultSelector()
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
-        self.dropped: dict[int, int] = {}
+        self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
+        self.dropped_total: dict[int, int] = {}
         self.notes: list[str] = []
         self.stop_reason: str | None = None
         self.first_failure: int | None = None
@@ -140,14 +153,19 @@ class Launcher:
 
     # -- messages ---------------------------------------------------------
 
-    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0) -> None:
-        """Send without blocking; count lines the kernel was too slow to take."""
-        if rank is not None and self.dropped.get(rank):
-            notice = {"kind": "dropped", "rank": rank, "count": self.dropped[rank], "log": str(self.run_dir.log(rank))}
-            if self.sender.send(notice):
-                self.dropped[rank] = 0
-        if not self.sender.send(message) and lines:
+    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
+        """Send without blocking (or ``wait`` at most); count lines the kernel was too slow to take."""
+        if rank is not None:
+            self.send_dropped_notice(rank, wait)
+        if not self.sender.send(message, wait) and lines:
             self.dropped[rank] = self.dropped.get(rank, 0) + lines  # type: ignore[index]
+            self.dropped_total[rank] = self.dropped_total.get(rank, 0) + lines  # type: ignore[index]
+
+    def send_dropped_notice(self, rank: int, wait: float = 0.0) -> None:
+        if self.dropped.get(rank):
+            notice = {"kind": "dropped", "rank": rank, "count": self.dropped[rank], "log": str(self.run_dir.log(rank))}
+            if self.sender.send(notice, wait):
+                self.dropped[rank] = 0
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -155,14 +173,14 @@ class Launcher:
 
     # -- ranks ------------------------------------------------------------
 
-    def start_ranks(self, port: int) -> None:
+    def start_ranks(self, port: int, attempt: int) -> None:
         nproc = self.spec["nproc"]
         for rank in range(nproc):
             for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
                 stale.unlink(missing_ok=True)
             env = rank_environment(
                 os.environ, rank=rank, nproc=nproc, master_port=port,
-                run_id=self.spec["run_id"], run_dir=self.run_dir,
+                run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=attempt,
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
             popen = subprocess.Popen(
@@ -291,7 +309,7 @@ class Launcher:
         port = self.spec["master_port"]
         for attempt in range(PORT_ATTEMPTS):
             port = pick_port(port if attempt == 0 else None)
-            self.start_ranks(port)
+            self.start_ranks(port, attempt)
             self.supervise(deadline)
             if attempt + 1 == PORT_ATTEMPTS or not self.port_was_taken():
                 break
@@ -318,6 +336,7 @@ class Launcher:
             "first_failure": self.first_failure,
             "master_port": port,
             "notes": self.notes,
+            "dropped_lines": {str(rank): count for rank, count in self.dropped_total.items()},
             "ranks": [
                 {
                     "rank": p.rank, "exitcode": p.returncode, "ok": p.ok, "ended": p.ended_at,
@@ -360,7 +379,10 @@ def main(run_dir: str) -> int:
     try:
         outcome = launcher.run()
         write_json(paths.outcome, outcome)
-        launcher.send({"kind": "end", "status": outcome["status"]})
+        # The last words may wait a little for a slow kernel, never long: the files hold the truth.
+        for rank in list(launcher.dropped):
+            launcher.send_dropped_notice(rank, wait=END_SEND_WAIT)
+        launcher.send({"kind": "end", "status": outcome["status"]}, wait=END_SEND_WAIT)
     finally:
         launcher.close()
     return 0

@@ -110,8 +110,10 @@ class Sender:
         self._socket.setsockopt(zmq.LINGER, LINGER_MS)
         self._socket.connect(address)
 
-    def send(self, message: dict[str, Any]) -> bool:
-        """Queue ``message``; False when the queue is full and it was dropped."""
+    def send(self, message: dict[str, Any], wait: float = 0.0) -> bool:
+        """Queue ``message``, waiting at most ``wait`` seconds for room; False if dropped."""
+        if wait and not self._socket.poll(int(wait * 1000), zmq.POLLOUT):
+            return False
         try:
             self._socket.send_multipart(encode(self.key, message), zmq.NOBLOCK)
         except zmq.Again:

@@ -204,3 +204,16 @@ def terminate_checkpoint(path):
     print("ready", flush=True)
     while True:
         time.sleep(0.05)
+
+
+def grab_master_port_once(marker):
+    """On the first attempt, rank 0 holds MASTER_PORT before torch can bind it."""
+    import socket
+
+    if os.environ["RANK"] == "0" and not os.path.exists(marker):
+        open(marker, "w").close()
+        blocker = socket.socket()
+        blocker.bind(("", int(os.environ["MASTER_PORT"])))
+        blocker.listen()
+    total = allreduce_sum().item()
+    return total, os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_RESTART_COUNT"]

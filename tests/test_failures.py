@@ -32,7 +32,8 @@ def test_a_raising_rank_fails_the_job_fast_with_its_traceback_first():
     error = caught.value
     root, other = error.failures
     assert (root.rank, root.exc_type, root.message) == (1, "builtins.ValueError", "loss is nan")
-    assert other.rank == 0 and other.stopped  # it was blocked in a barrier, and was killed
+    # Rank 0 waited in a barrier: nbshard killed it, or gloo failed it first when rank 1 left.
+    assert other.rank == 0 and (other.stopped or other.time >= root.time)
     assert handle.ended - root.time < 2.0, "the kernel must learn of a failure within a second or two"
     cause = error.__cause__
     assert type(cause) is ValueError

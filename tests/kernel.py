@@ -1,0 +1,79 @@
+"""A real IPython kernel driven through jupyter_client, as a notebook frontend drives it."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class CellResult:
+    status: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    error: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def traceback(self) -> str:
+        """The error as the notebook shows it, without colours."""
+        return ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
+
+
+class Kernel:
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.manager = KernelManager(kernel_name="python3")
+        self.manager.start_kernel(cwd=str(cwd), env={**os.environ, **env})
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid  # type: ignore[union-attr]
+
+    def submit(self, code: str) -> str:
+        return self.client.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 120, until: str | None = None) -> CellResult:
+        """IOPub messages of one execution, until it is idle (or ``until`` appears in stdout)."""
+        result = CellResult()
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish within {timeout} s; stdout so far:\n{result.stdout}")
+            try:
+                message = self.client.get_iopub_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            result.messages.append(message)
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+                if until is not None and until in result.stdout:
+                    return result
+            elif kind == "error":
+                result.error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                result.status = "error" if result.error else "ok"
+                return result
+
+    def execute(self, code: str, timeout: float = 120) -> CellResult:
+        return self.collect(self.submit(code), timeout)
+
+    def shutdown(self) -> None:
+        self.client.stop_channels()
+        if self.manager.is_alive():
+            self.manager.shutdown_kernel(now=True)

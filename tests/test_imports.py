@@ -1,0 +1,56 @@
+"""The kernel side stays light, and module dependencies point one way."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from conftest import REPO
+
+# Which nbshard modules each module may import (DESIGN.md's table).
+ALLOWED = {
+    "job": set(),
+    "files": set(),
+    "wire": set(),
+    "errors": set(),
+    "pickling": set(),
+    "display": set(),
+    "dist": set(),
+    "worker": {"job", "files", "pickling", "wire", "errors", "monitor"},
+    "launcher": {"job", "files", "wire", "errors"},
+    "backends": {"job", "backends"},
+    "outcome": {"job", "files", "errors"},
+    "client": {"job", "files", "wire", "errors", "backends", "display", "outcome", "pickling", "launcher"},
+    "testing": {"__init__"},
+    "__init__": {"client", "dist", "errors", "job"},
+}
+
+
+def nbshard_imports(path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "nbshard":
+            found.update(alias.name for alias in node.names)  # from nbshard import launcher
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nbshard."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("nbshard"):
+                    parts = alias.name.split(".")
+                    found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+def test_modules_import_only_what_the_design_allows():
+    for path in sorted((REPO / "nbshard").rglob("*.py")):
+        relative = path.relative_to(REPO / "nbshard")
+        module = relative.parts[0] if len(relative.parts) > 1 else path.stem
+        imports = nbshard_imports(path) - {module}
+        assert imports <= ALLOWED[module], f"{relative} imports {imports - ALLOWED[module]}"
+
+
+def test_import_nbshard_imports_no_torch():
+    code = "import sys, nbshard, nbshard.launcher, nbshard.worker; print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"
