@@ -15,6 +15,22 @@ import nbshard
 REPO = Path(__file__).resolve().parents[1]
 
 
+def gpu_count() -> int:
+    """GPUs visible here, counted as nbshard counts them: without a CUDA context."""
+    from nbshard.client import _visible_gpu_count
+
+    return _visible_gpu_count(os.environ)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpu_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (no /proc/driver/nvidia/gpus)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def nbshard_processes() -> dict[int, str]:
     """Every live launcher and rank process on this machine, by pid."""
     found = {}

@@ -109,14 +109,15 @@ def fsdp2_step():
     import nbshard
 
     nbshard.init_process_group()
+    device = nbshard.device()  # the rank's GPU under NCCL, the CPU under gloo
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     losses = []
     for _ in range(3):
         optimizer.zero_grad()
