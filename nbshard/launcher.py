@@ -10,7 +10,6 @@ the kernel, reaches end-of-file). It writes ``outcome.json`` last.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import os
 import selectors
@@ -24,6 +23,7 @@ from typing import Any
 
 from nbshard.files import read_json, write_json
 from nbshard.job import RunDir, rank_environment
+from nbshard.lines import LineSplitter
 from nbshard.wire import Sender
 
 __all__ = ["main", "pick_port"]
@@ -33,8 +33,6 @@ STACK_DUMP_WAIT = 0.5  # time ranks get to write their faulthandler stacks
 FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another failed
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
-OPEN_LINE_DELAY = 0.5  # an unfinished line without \r is shown once it waited this long
-MAX_LINE = 10_000  # characters of one line sent live; the log keeps all
 PORT_ATTEMPTS = 3
 END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
 CANCEL, KILL = b"c", b"k"  # what the kernel writes to the launcher's stdin
@@ -50,52 +48,6 @@ def pick_port(preferred: int | None = None) -> int:
                 continue
             return probe.getsockname()[1]
     raise RuntimeError("no free TCP port on this machine")
-
-
-def _visible(line: str) -> str:
-    """What a terminal shows of a line with carriage returns: its last rewrite."""
-    return line.rstrip("\r").rsplit("\r", 1)[-1]
-
-
-class LineSplitter:
-    """Turns one output stream's bytes into finished lines and its open (unfinished) line."""
-
-    def __init__(self, stream: str) -> None:
-        self.stream = stream
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._partial = ""
-        self._partial_since = 0.0  # when the unfinished line last changed
-        self._sent_open: str | None = None
-
-    def feed(self, data: bytes, now: float) -> list[list[Any]]:
-        text = self._partial + self._decoder.decode(data, final=not data)
-        *finished, partial = text.split("\n")
-        if finished or partial != self._partial:
-            self._partial, self._partial_since = partial, now
-        if not data and self._partial:  # end of stream: an unterminated last line
-            finished.append(self._partial)
-            self._partial = ""
-        if len(self._partial) > 100 * MAX_LINE:  # no newline for a long time
-            finished.append(self._partial)
-            self._partial = ""
-        if finished:
-            self._sent_open = None
-        return [[now, self.stream, _visible(line)[:MAX_LINE], False] for line in finished]
-
-    def open_line(self, now: float) -> list[Any] | None:
-        """The unfinished line, if it changed since it was last sent and is worth showing.
-
-        It is when it rewrites itself with ``\r`` (a progress bar) or has waited
-        OPEN_LINE_DELAY for its newline (``print(..., end="")``); a line merely
-        cut by a pipe read is completed long before that.
-        """
-        visible = _visible(self._partial)[:MAX_LINE]
-        if not visible or visible == self._sent_open:
-            return None
-        if "\r" not in self._partial and now - self._partial_since < OPEN_LINE_DELAY:
-            return None
-        self._sent_open = visible
-        return [now, self.stream, visible, True]
 
 
 class Rank:

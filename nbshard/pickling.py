@@ -104,7 +104,9 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
 
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = collections.ChainMap(
-        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+        # Only where this cloudpickle has the reducer we wrap (a private name, checked here).
+        {types.CodeType: _code_reduce_keeping_filename} if hasattr(_cloudpickle_internals, "_code_reduce") else {},
+        cloudpickle.Pickler.dispatch_table,
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 
 from nbshard.display import LinePrinter
-from nbshard.launcher import LineSplitter, pick_port
+from nbshard.launcher import pick_port
+from nbshard.lines import LineSplitter
 
 
 def render(text: str) -> list[str]:

@@ -1,0 +1,232 @@
+"""The kernel's view of one running job: ``result``, ``done``, ``cancel``, ``logs``, ``watch``.
+
+A background thread per job drains the job's ZMQ socket into the handle and,
+once the launcher has exited, turns the run directory into the job's value or
+its exception. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+from typing import Any
+
+from nbshard import launcher as launcher_commands
+from nbshard.backends import LauncherProcess
+from nbshard.display import LinePrinter
+from nbshard.errors import JobError
+from nbshard.files import read_json
+from nbshard.job import Job, RunDir
+from nbshard.outcome import collect
+from nbshard.wire import Receiver
+
+__all__ = ["JobHandle", "running_jobs"]
+
+END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
+KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
+LIVE_BACKLOG = 20_000  # lines kept while nobody watches; older ones are counted, not kept
+
+_running: set[JobHandle] = set()
+_running_lock = threading.Lock()
+
+
+def running_jobs() -> list[JobHandle]:
+    """The jobs of this kernel that are still running, oldest first."""
+    with _running_lock:
+        return sorted(_running, key=lambda h: h.started)
+
+
+class JobHandle:
+    """A submitted job: ``result()``, ``done()``, ``cancel()``, ``logs(rank)``."""
+
+    def __init__(self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess, receiver: Receiver) -> None:
+        self.job = job
+        self.nproc = nproc
+        self.run_dir = run_dir.path
+        self.status = "running"
+        self.started = time.time()
+        self.ended: float | None = None
+        self._paths = run_dir
+        self._launcher = launcher
+        self._receiver = receiver
+        self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
+        self._watching = False
+        self._unshown = 0  # lines dropped from the live backlog while nobody watched
+        self._reported_drops: collections.Counter[int] = collections.Counter()
+        self._done = threading.Event()
+        self._value: Any = None
+        self._exception: JobError | None = None
+        self._kill_at = float("inf")
+        self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
+        with _running_lock:
+            _running.add(self)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        elapsed = (self.ended or time.time()) - self.started
+        return f"<JobHandle {self.job.label} nproc={self.nproc} {self.status} {elapsed:.1f}s run_dir={self.run_dir}>"
+
+    # -- concurrent.futures verbs ------------------------------------------
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value (every rank's with ``return_all``); raises the job's error.
+
+        ``timeout`` only limits this wait: TimeoutError leaves the job running.
+        """
+        exception = self.exception(timeout)
+        if exception is not None:
+            raise exception
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> JobError | None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.job.label} is still running after waiting {timeout} s (the job itself goes on)")
+        return self._exception
+
+    def cancel(self, wait: bool = True) -> bool:
+        """Stop the job: stacks dumped, SIGTERM, ``grace`` seconds, SIGKILL.
+
+        Returns False when it had already ended. With ``wait``, returns once
+        every rank and the launcher are gone.
+        """
+        if self.done():
+            return False
+        self._launcher.request(launcher_commands.CANCEL)
+        deadline = time.monotonic() + launcher_commands.STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN
+        self._kill_at = min(self._kill_at, deadline)
+        if wait:
+            self._done.wait()
+        return True
+
+    def kill(self) -> None:
+        """Stop the job at once with SIGKILL, without stacks or a grace period."""
+        self._launcher.request(launcher_commands.KILL)
+        self._kill_at = min(self._kill_at, time.monotonic() + KILL_MARGIN)
+
+    def logs(self, rank: int | None = None) -> str:
+        """The complete output of one rank, or of every rank one after another."""
+        if rank is None:
+            return "\n".join(f"==> rank {r} <==\n{self.logs(r)}" for r in range(self.nproc))
+        if not 0 <= rank < self.nproc:
+            raise ValueError(f"rank must be in 0..{self.nproc - 1}, got {rank}")
+        path = self._paths.log(rank)
+        return path.read_bytes().decode(errors="replace") if path.exists() else ""
+
+    # -- live output -------------------------------------------------------
+
+    def watch(self, out: Any = None) -> None:
+        """Print the ranks' output as it arrives until the job ends.
+
+        An interrupt (Ctrl-C, the notebook's stop button) cancels the job,
+        shows the ranks' stacks, and re-raises once every rank is gone.
+        """
+        out = out or sys.stdout
+        printer = LinePrinter(self.job.show_ranks)
+        self._watching = True
+        if self._unshown:
+            out.write(printer.note(f"{self._unshown} earlier lines are not shown here; handle.logs(rank) has them all"))
+        try:
+            while not self._done.wait(0.1):
+                self._print_live(printer, out)
+        except KeyboardInterrupt:
+            self._print_live(printer, out, text=f"interrupted: stopping {self.job.label} (interrupt again to kill it now)")
+            try:
+                self.cancel(wait=False)
+                while not self._done.wait(0.1):
+                    self._print_live(printer, out)
+            except KeyboardInterrupt:
+                self.kill()
+                self._done.wait()
+            raise
+        finally:
+            self._watching = False
+            self._print_live(printer, out)
+            out.write(printer.close())
+            out.flush()
+
+    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None) -> None:
+        chunks = []
+        while self._live:
+            rank, item = self._live.popleft()
+            chunks.append(printer.note(item) if isinstance(item, str) else printer.line(rank, *item[1:]))
+        if text:
+            chunks.append(printer.note(text))
+        if chunks:
+            out.write("".join(chunks))
+            out.flush()
+
+    # -- the background thread ----------------------------------------------
+
+    def _on_message(self, message: dict[str, Any]) -> bool:
+        """Record one message; True for the launcher's last one."""
+        kind = message.get("kind")
+        if kind == "lines":
+            rank = message["rank"]
+            self._live.extend((rank, line) for line in message["lines"])
+        elif kind == "dropped":
+            self._note_dropped(message["rank"], message["count"])
+        elif kind == "event" and message.get("event") == "note":
+            self._live.append((-1, str(message["text"])))
+        if not self._watching:
+            while len(self._live) > LIVE_BACKLOG:
+                self._live.popleft()
+                self._unshown += 1
+        return kind == "end"
+
+    def _note_dropped(self, rank: int, count: int) -> None:
+        self._reported_drops[rank] += count
+        self._live.append((rank, (
+            f"{count} lines of rank {rank} were not shown live because the kernel read too "
+            f"slowly; the full log is {self._paths.log(rank)}"
+        )))
+
+    def _note_unreported_drops(self) -> None:
+        """The launcher's final tally, in case its last notices could not reach the kernel."""
+        try:
+            totals = read_json(self._paths.outcome).get("dropped_lines", {})
+        except (OSError, ValueError):
+            return
+        for rank, total in totals.items():
+            missing = total - self._reported_drops[int(rank)]
+            if missing > 0:
+                self._note_dropped(int(rank), missing)
+
+    def _drain(self) -> None:
+        end_seen = False
+        exited_at: float | None = None
+        try:
+            while True:
+                for message in self._receiver.receive(0.05):
+                    end_seen |= self._on_message(message)
+                now = time.monotonic()
+                if self._launcher.poll() is not None:
+                    exited_at = exited_at or now
+                    if end_seen or now - exited_at > END_MESSAGE_WAIT:
+                        break
+                elif now > self._kill_at:
+                    self._launcher.kill()
+        finally:
+            self._launcher.kill()  # whatever the ranks left in the launcher's process group
+            self._launcher.close()
+            self._receiver.close()
+            self._finish()
+
+    def _finish(self) -> None:
+        self._note_unreported_drops()
+        try:
+            self._value, self._exception = collect(
+                self._paths, nproc=self.nproc, return_all=self.job.return_all,
+                timeout=self.job.timeout, launcher_exit=self._launcher.poll(),
+            )
+        except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle
+            self._exception = JobError(f"nbshard could not read the outcome of the run: {error!r}", run_dir=str(self.run_dir))
+        self.status = "succeeded" if self._exception is None else type(self._exception).__name__
+        self.ended = time.time()
+        with _running_lock:
+            _running.discard(self)
+        self._done.set()
