@@ -30,3 +30,10 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext nbshard``: register the ``%%shard_train`` cell magic."""
+    from nbshard.magic import load_ipython_extension as register
+
+    register(ipython)

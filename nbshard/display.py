@@ -6,10 +6,11 @@ both a terminal and ipykernel, whose stream messages it batches).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LinePrinter", "rank_prefix"]
+__all__ = ["LinePrinter", "TailView", "rank_prefix"]
 
 
 def rank_prefix(rank: int) -> str:
@@ -58,3 +59,27 @@ class LinePrinter:
             return ""
         self._open = None
         return "\n"
+
+
+class TailView:
+    """The newest lines of a run, as a notebook view shows them: a progress bar is one line."""
+
+    def __init__(self, show_ranks: Sequence[int] | None = None, max_lines: int = 30) -> None:
+        self.show_ranks = None if show_ranks is None else frozenset(show_ranks)
+        self._lines: collections.deque[list[Any]] = collections.deque(maxlen=max_lines)  # [key, text, open]
+
+    def line(self, rank: int, stream: str, text: str, is_open: bool) -> None:
+        if self.show_ranks is not None and rank not in self.show_ranks:
+            return
+        key = (rank, stream)
+        for entry in reversed(self._lines):
+            if entry[0] == key and entry[2]:  # this rank's unfinished line: rewrite it
+                entry[1:] = [rank_prefix(rank) + text, is_open]
+                return
+        self._lines.append([key, rank_prefix(rank) + text, is_open])
+
+    def note(self, text: str) -> None:
+        self._lines.append([None, f"[nbshard]: {text}", False])
+
+    def render(self, title: str) -> str:
+        return "\n".join([title, *(text for _, text, _ in self._lines)])

@@ -11,12 +11,13 @@ import collections
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
-from nbshard.display import LinePrinter
-from nbshard.errors import JobError
+from nbshard.display import LinePrinter, TailView
+from nbshard.errors import JobCancelled, JobError, JobTimedOut
 from nbshard.files import read_json
 from nbshard.job import Job, RunDir
 from nbshard.outcome import collect
@@ -30,6 +31,14 @@ LIVE_BACKLOG = 20_000  # lines kept while nobody watches; older ones are counted
 
 _running: set[JobHandle] = set()
 _running_lock = threading.Lock()
+
+
+def _status_of(exception: JobError | None) -> str:
+    if exception is None:
+        return "succeeded"
+    if isinstance(exception, JobTimedOut):
+        return "timed out"
+    return "cancelled" if isinstance(exception, JobCancelled) else "failed"
 
 
 def running_jobs() -> list[JobHandle]:
@@ -59,14 +68,16 @@ class JobHandle:
         self._value: Any = None
         self._exception: JobError | None = None
         self._kill_at = float("inf")
+        self._callbacks: list[Callable[[JobHandle], Any]] = []
+        self._callbacks_lock = threading.Lock()
+        self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
         self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
         with _running_lock:
             _running.add(self)
         self._thread.start()
 
     def __repr__(self) -> str:
-        elapsed = (self.ended or time.time()) - self.started
-        return f"<JobHandle {self.job.label} nproc={self.nproc} {self.status} {elapsed:.1f}s run_dir={self.run_dir}>"
+        return f"<JobHandle {self.summary()}; run_dir={self.run_dir}>"
 
     # -- concurrent.futures verbs ------------------------------------------
 
@@ -149,16 +160,70 @@ class JobHandle:
             out.write(printer.close())
             out.flush()
 
-    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None) -> None:
-        chunks = []
+    def _take_live(self) -> list[tuple[int, list[Any] | str]]:
+        """The lines and notes that arrived since the last call (one consumer at a time)."""
+        taken = []
         while self._live:
-            rank, item = self._live.popleft()
-            chunks.append(printer.note(item) if isinstance(item, str) else printer.line(rank, *item[1:]))
+            taken.append(self._live.popleft())
+        return taken
+
+    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None) -> None:
+        chunks = [
+            printer.note(item) if isinstance(item, str) else printer.line(rank, *item[1:])
+            for rank, item in self._take_live()
+        ]
         if text:
             chunks.append(printer.note(text))
         if chunks:
             out.write("".join(chunks))
             out.flush()
+
+    def show_live(self, refresh: float = 0.5) -> None:
+        """Show the job in one notebook output that updates in place, without blocking.
+
+        The output stays with the cell that called this, even while other cells
+        run: a display updated by its id, at most once per ``refresh`` seconds.
+        It shows the newest lines of each shown rank (``logs(rank)`` has all)
+        and, at the end, how the job ended.
+        """
+        from IPython.display import display
+
+        view = TailView(self.job.show_ranks)
+        shown = display({"text/plain": view.render(self.summary())}, raw=True, display_id=True)
+        self._watching = True
+        lock = threading.Lock()
+
+        def update(_: Any = None) -> None:
+            with lock:
+                for rank, item in self._take_live():
+                    if isinstance(item, str):
+                        view.note(item)
+                    else:
+                        view.line(rank, *item[1:])
+                shown.update({"text/plain": view.render(self.summary())}, raw=True)
+
+        def refresh_until_done() -> None:
+            while not self._done.wait(refresh):
+                update()
+
+        threading.Thread(target=refresh_until_done, name=f"nbshard-view-{self.run_dir.name}", daemon=True).start()
+        self.add_done_callback(update)  # the last view, after earlier callbacks (e.g. pulls) ran
+
+    def summary(self) -> str:
+        """One line: what runs, how it stands, for how long."""
+        elapsed = (self.ended or time.time()) - self.started
+        text = f"{self.job.label} on {self.nproc} rank{'s' * (self.nproc > 1)}: {self.status} after {elapsed:.0f} s"
+        if self._exception is not None:
+            text += f" ({str(self._exception).splitlines()[0]})"
+        return text + "".join(f"; {note}" for note in self.notes)
+
+    def add_done_callback(self, fn: Callable[[JobHandle], Any]) -> None:
+        """Call ``fn(handle)`` when the job ends (at once if it has), from nbshard's thread."""
+        with self._callbacks_lock:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     # -- the background thread ----------------------------------------------
 
@@ -225,8 +290,15 @@ class JobHandle:
             )
         except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error!r}", run_dir=str(self.run_dir))
-        self.status = "succeeded" if self._exception is None else type(self._exception).__name__
+        self.status = _status_of(self._exception)
         self.ended = time.time()
         with _running_lock:
             _running.discard(self)
-        self._done.set()
+        with self._callbacks_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception as error:  # noqa: BLE001 - like concurrent.futures: log, go on
+                print(f"nbshard: a done-callback of {self.job.label} raised {error!r}", file=sys.stderr)

@@ -96,9 +96,12 @@ def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
     return frames
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback without this module's own frames, which only called the user's code."""
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    """The traceback without nbshard's leading frames, which only called the user's code."""
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _PACKAGE_DIR:
         tb = tb.tb_next
     return tb
 

@@ -122,3 +122,13 @@ def script(tmp_path: Path):
     yield start
     for each in started:
         each.kill()
+
+
+@pytest.fixture
+def kernel(tmp_path: Path, runs_dir: Path):
+    """A real IPython kernel (jupyter_client), shut down after the test."""
+    from kernel import Kernel
+
+    started = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": str(REPO)})
+    yield started
+    started.shutdown()

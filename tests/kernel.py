@@ -21,6 +21,7 @@ class CellResult:
     stdout: str = ""
     stderr: str = ""
     error: dict[str, Any] | None = None
+    reply: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -71,7 +72,14 @@ class Kernel:
                 return result
 
     def execute(self, code: str, timeout: float = 120) -> CellResult:
-        return self.collect(self.submit(code), timeout)
+        """Run one cell to its end: its IOPub output and its execute_reply."""
+        msg_id = self.submit(code)
+        result = self.collect(msg_id, timeout)
+        while True:
+            reply = self.client.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                result.reply = reply["content"]
+                return result
 
     def shutdown(self) -> None:
         self.client.stop_channels()

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, processes_of, wait_until_gone
-from kernel import Kernel
+from conftest import processes_of, wait_until_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,13 +28,6 @@ def train(lines, fail=False):
         helper(rank)
     return "done"
 '''
-
-
-@pytest.fixture
-def kernel(tmp_path, runs_dir):
-    started = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": str(REPO)})
-    yield started
-    started.shutdown()
 
 
 def test_output_of_every_rank_appears_in_the_cell_in_few_messages(kernel):

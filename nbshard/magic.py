@@ -1,0 +1,174 @@
+"""``%%shard_train``: run a cell's body on N fresh ranks. ``%load_ext nbshard`` registers it.
+
+Each cell is one job: the body runs in every rank, in a fresh namespace, as
+plain Python. Names the body reads before assigning them are shipped from the
+notebook (objects by value, modules as imports by name); ``--pull`` brings
+names back. Works like ipyparallel's ``%%px``, on torchrun-style processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbshard.cell import free_names, run_cell
+from nbshard.client import submit
+from nbshard.handle import JobHandle
+from nbshard.job import Job
+from nbshard.pickling import describe_unpicklable, find_unpicklable
+
+__all__ = ["ShardMagics", "load_ipython_extension"]
+
+# Names IPython keeps in the user namespace for itself; never shipped.
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+def _names(values: list[str]) -> list[str]:
+    """``["a,b", "c"]`` (repeated options, commas or spaces) as ``["a", "b", "c"]``."""
+    return [name for value in values for name in value.replace(",", " ").split()]
+
+
+def _gpus(text: str | None) -> tuple[int | str, ...] | None:
+    if text is None:
+        return None
+    return tuple(int(g) if g.strip().isdigit() else g.strip() for g in text.split(",") if g.strip())
+
+
+def _environment(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env takes KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def _check_plain_python(shell: Any, body: str) -> None:
+    """The body runs as plain Python in each rank: refuse IPython syntax before launching."""
+    try:
+        ast.parse(body)
+        return
+    except SyntaxError as error:
+        problem = error
+    try:
+        ast.parse(shell.transform_cell(body))
+    except SyntaxError:
+        lines = body.splitlines()
+        line = lines[problem.lineno - 1] if problem.lineno and problem.lineno <= len(lines) else ""
+        where = (problem.lineno or 0) + 1  # as the notebook numbers it, after the %%shard_train line
+        raise UsageError(f"%%shard_train: syntax error in cell line {where}: {problem.msg}\n    {line.strip()}") from None
+    offending = next(
+        (line.strip() for line in body.splitlines() if line.strip().startswith(("!", "%"))), "(IPython syntax)"
+    )
+    raise UsageError(
+        f"%%shard_train runs the cell as plain Python in each rank, but it uses IPython syntax: "
+        f"{offending!r}. Move shell commands and magics to another cell, or use subprocess / "
+        "the function they stand for."
+    )
+
+
+@magics_class
+class ShardMagics(Magics):
+    @magic_arguments()
+    @argument("-n", "--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, or 1)")
+    @argument("--gpus", default=None, help="comma-separated GPU indices or UUIDs the ranks see; '' hides every GPU")
+    @argument("--backend", default="subprocess", help="how ranks start (default: subprocess, local child processes)")
+    @argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
+    @argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL when stopping")
+    @argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for the ranks; repeatable")
+    @argument("--push", action="append", default=[], metavar="NAMES", help="names to ship besides those detected (comma-separated)")
+    @argument("--pull", action="append", default=[], metavar="NAMES", help="names to bring back into the notebook (comma-separated)")
+    @argument("--pull-all", action="store_true", help="pull each name from every rank, as a list indexed by rank (default: rank 0)")
+    @argument("--show-ranks", default=None, metavar="RANKS", help="comma-separated ranks whose output is shown live")
+    @argument("--noblock", nargs="?", const="job", default=None, metavar="NAME",
+              help="return at once; bind the job handle to NAME (default: job); pulled names are bound when it ends")
+    @cell_magic
+    def shard_train(self, line: str, cell: str) -> None:
+        """Run this cell on N fresh torchrun-style ranks (FSDP, DDP), outside the kernel.
+
+        The cell is plain Python run in every rank, in a fresh namespace where
+        ``rank`` and ``world_size`` are set. Names it reads before assigning
+        them are shipped from the notebook; ``--pull`` brings names back.
+
+            %%shard_train --nproc 2 --pull losses
+            model = MyModel(cfg)
+            losses = train_loop(model, data)
+        """
+        args = parse_argstring(self.shard_train, line)
+        shell = self.shell
+        _check_plain_python(shell, cell)
+        pull = _names(args.pull)
+        job = self._job(args, cell, pull)
+        try:
+            handle = submit(job)
+        except TypeError as error:
+            unshippable = self._unshippable(job)
+            if unshippable is None:
+                raise
+            raise unshippable from error
+        if args.noblock:
+            shell.user_ns[args.noblock] = handle
+            handle.add_done_callback(lambda done: self._bind_pulled(done, pull, args.pull_all))
+            handle.show_live()
+            return
+        handle.watch()
+        exception = handle.exception()
+        if exception is not None:
+            raise exception.with_traceback(None)  # the cause holds the rank's traceback
+        self._bind_pulled(handle, pull, args.pull_all)
+
+    def _job(self, args: Any, cell: str, pull: list[str]) -> Job:
+        user_ns = self.shell.user_ns
+        pushed = _names(args.push)
+        missing = [name for name in pushed if name not in user_ns]
+        if missing:
+            raise UsageError(f"--push {', '.join(missing)}: no such name in the notebook")
+        wanted = sorted((free_names(cell) | set(pushed)) - _IPYTHON_NAMES)
+        present = [n for n in wanted if n in user_ns and not n.startswith("_")]
+        modules = {n: user_ns[n].__name__ for n in present if isinstance(user_ns[n], types.ModuleType)}
+        values = {n: user_ns[n] for n in present if n not in modules}
+        # Registered in the kernel's linecache, so a rank's traceback shows the cell's
+        # lines; the blank first line stands for the %%shard_train line.
+        filename = self.shell.compile.cache("\n" + cell, self.shell.execution_count)
+        try:
+            return Job(
+                run_cell,
+                kwargs={"source": "\n" + cell, "filename": filename, "values": values, "modules": modules,
+                        "pull": pull, "pull_all": args.pull_all},
+                nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
+                timeout=args.timeout, return_all=args.pull_all, name="shard_train",
+                show_ranks=None if args.show_ranks is None else [int(r) for r in _names([args.show_ranks])],
+                **({"grace": args.grace} if args.grace is not None else {}),
+            )
+        except (ValueError, TypeError) as error:
+            raise UsageError(f"%%shard_train: {error}") from None
+
+    @staticmethod
+    def _unshippable(job: Job) -> UsageError | None:
+        """Which notebook variable could not be pickled, named as the notebook knows it."""
+        for name, value in job.kwargs["values"].items():
+            found = find_unpicklable(value, name)
+            if found is not None:
+                return UsageError(describe_unpicklable(found, f"Cannot ship the notebook's {name!r} to the ranks"))
+        return None
+
+    def _bind_pulled(self, handle: JobHandle, pull: list[str], pull_all: bool) -> None:
+        """Assign the pulled names in the notebook, if the job succeeded."""
+        if handle.exception() is not None:
+            return
+        result = handle.result()
+        user_ns = self.shell.user_ns
+        for name in pull:
+            user_ns[name] = [each[name] for each in result] if pull_all else result[name]
+        if pull:
+            handle.notes.append(f"pulled {', '.join(pull)} into the notebook")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    ipython.register_magics(ShardMagics)

@@ -1,0 +1,165 @@
+"""%%shard_train in a real IPython kernel, driven through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import processes_of, wait_until_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+NOTEBOOK_STATE = '''
+%load_ext nbshard
+import math
+import threading
+
+class Scale:
+    def __init__(self, factor):
+        self.factor = factor
+
+def helper(x):
+    return Scale(cfg["factor"]).factor * x
+
+cfg = {"factor": 3, "n": 4}
+unused_lock = threading.Lock()   # not read by the cells: must not be shipped
+'''
+
+
+@pytest.fixture
+def notebook(kernel):
+    assert kernel.execute(NOTEBOOK_STATE).status == "ok"
+    return kernel
+
+
+def test_a_cell_runs_on_every_rank_and_pulls_values_back(notebook):
+    result = notebook.execute(
+        "%%shard_train --nproc 2 --pull values,who\n"
+        "print(f'hello from {rank} of {world_size}')\n"
+        "values = [helper(i) + math.floor(0.5) for i in range(cfg['n'])]\n"
+        "who = rank\n"
+    )
+    assert result.status == "ok", result.stderr + result.traceback
+    assert "[rank0]: hello from 0 of 2" in result.stdout and "[rank1]: hello from 1 of 2" in result.stdout
+    assert notebook.execute("print(values, who)").stdout.strip() == "[0, 3, 6, 9] 0"
+
+
+def test_pull_all_gives_a_list_indexed_by_rank(notebook):
+    result = notebook.execute("%%shard_train --nproc 2 --pull-all --pull square\nsquare = rank * rank + 1")
+    assert result.status == "ok", result.stderr + result.traceback
+    assert notebook.execute("print(square)").stdout.strip() == "[1, 2]"
+
+
+def test_each_cell_is_a_fresh_job(notebook):
+    notebook.execute("%%shard_train --nproc 1\nleftover = 1")
+    result = notebook.execute("%%shard_train --nproc 1 --pull seen\nseen = 'leftover' in globals()")
+    assert result.status == "ok", result.stderr + result.traceback
+    assert notebook.execute("print(seen)").stdout.strip() == "False"
+
+
+def test_tensors_and_torch_save_of_a_cell_class_work(notebook, tmp_path):
+    notebook.execute("import torch\nclass Tiny(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = torch.nn.Parameter(torch.ones(2))")
+    result = notebook.execute(
+        f"%%shard_train --nproc 2 --pull weights\n"
+        f"model = Tiny()\n"
+        f"if rank == 0:\n"
+        f"    torch.save(model, {str(tmp_path / 'tiny.pt')!r})\n"
+        f"weights = model.w.detach() * (rank + 1)\n"
+    )
+    assert result.status == "ok", result.stderr + result.traceback
+    check = notebook.execute(
+        f"print(weights.tolist(), type(torch.load({str(tmp_path / 'tiny.pt')!r}, weights_only=False)).__name__)"
+    )
+    assert check.stdout.strip() == "[1.0, 1.0] Tiny"
+
+
+def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
+    result = notebook.execute(
+        "%%shard_train --nproc 2\n"
+        "def check(value):\n"
+        "    if value > 0:\n"
+        "        raise ValueError(f'rank {value} diverged')\n"
+        "check(rank)\n"
+    )
+    assert result.status == "error" and result.error["ename"] == "JobFailed"
+    text = result.traceback
+    assert "raise ValueError(f'rank {value} diverged')" in text and "check(rank)" in text
+    assert "line 4" in text  # numbered as the notebook shows the cell, %%shard_train being line 1
+    assert "ValueError: rank 1 diverged" in text
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [
+        ("%%shard_train --nproc x\npass", "invalid int value: 'x'"),
+        ("%%shard_train --nproc 0\npass", "nproc must be a positive integer"),
+        ("%%shard_train --bogus\npass", "unrecognized arguments: --bogus"),
+        ("%%shard_train --env NOEQUALS\npass", "--env takes KEY=VALUE"),
+        ("%%shard_train\n!nvidia-smi", "uses IPython syntax: '!nvidia-smi'"),
+        ("%%shard_train\n%time x = 1", "uses IPython syntax: '%time x = 1'"),
+        ("%%shard_train\ndef broken(:\n    pass", "syntax error in cell line 2"),
+        ("%%shard_train --push nothere\npass", "--push nothere: no such name"),
+        ("%%shard_train --push unused_lock\npass", "Cannot ship the notebook's 'unused_lock'"),
+    ],
+)
+def test_bad_input_is_a_usage_error_and_starts_nothing(notebook, runs_dir, cell, message):
+    result = notebook.execute(cell)
+    assert result.reply["status"] == "error"
+    assert "UsageError" in result.stderr and message in result.stderr, result.stderr
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_help_lists_the_options(notebook):
+    payload = notebook.execute("%%shard_train?").reply["payload"]
+    text = payload[0]["data"]["text/plain"]
+    assert all(option in text for option in ("--nproc", "--pull", "--pull-all", "--push", "--noblock", "--gpus"))
+
+
+def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):
+    launch = notebook.execute(
+        "%%shard_train --nproc 2 --noblock training --pull total\n"
+        "import sys, time\n"
+        "for step in range(4):\n"
+        "    print(f'step {step}', flush=True)\n"
+        "    time.sleep(0.3)\n"
+        "for percent in range(0, 101, 10):\n"
+        "    sys.stderr.write(f'\\rprogress {percent}%'); sys.stderr.flush(); time.sleep(0.05)\n"
+        "sys.stderr.write('\\n')\n"
+        "total = rank + 100\n"
+    )
+    assert launch.status == "ok", launch.stderr + launch.traceback
+    display_id = next(m for m in launch.messages if m["msg_type"] == "display_data")["content"]["transient"]["display_id"]
+    other = notebook.execute("import time\ntime.sleep(4)\nprint('other cell', training.done())")
+    assert other.stdout.strip() == "other cell True"
+    updates = [m for m in other.messages if m["msg_type"] == "update_display_data"]
+    assert updates and all(u["content"]["transient"]["display_id"] == display_id for u in updates)
+    final = updates[-1]["content"]["data"]["text/plain"].splitlines()
+    assert "succeeded" in final[0] and "pulled total" in final[0]
+    for rank in (0, 1):
+        assert [line for line in final if line.startswith(f"[rank{rank}]: ")] == [
+            *(f"[rank{rank}]: step {step}" for step in range(4)), f"[rank{rank}]: progress 100%"
+        ]
+    assert notebook.execute("print(total)").stdout.strip() == "100"
+
+
+def test_interrupt_stops_the_cell_and_the_next_cell_runs(notebook, runs_dir):
+    msg_id = notebook.submit("%%shard_train --nproc 2\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
+    notebook.collect(msg_id, until="[rank1]: working")
+    run_dir = next(runs_dir.iterdir())
+    notebook.manager.interrupt_kernel()
+    interrupted_at = time.monotonic()
+    assert notebook.collect(msg_id).error["ename"] == "KeyboardInterrupt"
+    assert not wait_until_gone(run_dir, within=max(0.0, 5 - (time.monotonic() - interrupted_at)))
+    after = notebook.execute("%%shard_train --nproc 2 --pull ok\nok = True")
+    assert after.status == "ok", after.stderr + after.traceback
+
+
+def test_killing_the_kernel_during_a_cell_leaves_no_rank(notebook, runs_dir):
+    msg_id = notebook.submit("%%shard_train --nproc 2\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
+    notebook.collect(msg_id, until="[rank1]: working")
+    assert len(processes_of(runs_dir)) == 3
+    os.kill(notebook.pid, signal.SIGKILL)
+    assert not wait_until_gone(runs_dir, within=5.0)
