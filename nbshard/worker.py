@@ -25,7 +25,7 @@ from typing import Any
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RunDir
 
-__all__ = ["main"]
+__all__ = ["main", "run_as_main"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
 _PR_SET_PDEATHSIG = 1
@@ -180,6 +180,15 @@ def main(run_dir: str) -> int:
     return _run(paths, rank)
 
 
+def run_as_main(namespace: dict[str, Any]) -> None:
+    """``python -m nbshard.worker RUN_DIR``: run the rank from the importable copy of
+    this module, with ``__main__`` emptied of this module's names, so it holds the
+    notebook's names (and a cell's) alone."""
+    for name in [name for name in namespace if not name.startswith("__")]:
+        del namespace[name]
+    _exit(main(sys.argv[1]))
+
+
 def _restore_notebook_main() -> None:
     path = os.environ.get(NOTEBOOK_MAIN_ENV)
     if path:
@@ -190,8 +199,6 @@ if __name__ == "__mp_main__":  # a spawn-started child of a rank, e.g. a DataLoa
     _restore_notebook_main()
 
 if __name__ == "__main__":
-    # Run the importable copy of this module so __main__ stays free for the notebook's names.
-    from nbshard.worker import _exit as exit_process
-    from nbshard.worker import main as run_rank
+    import nbshard.worker
 
-    exit_process(run_rank(sys.argv[1]))
+    nbshard.worker.run_as_main(vars())

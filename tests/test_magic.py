@@ -60,6 +60,12 @@ def test_each_cell_is_a_fresh_job(notebook):
     assert notebook.execute("print(seen)").stdout.strip() == "False"
 
 
+def test_the_cell_namespace_holds_only_what_the_cell_needs(notebook):
+    result = notebook.execute("%%shard_train --nproc 1 --pull names\nnames = sorted(n for n in globals() if not n.startswith('__'))")
+    assert result.status == "ok", result.stderr + result.traceback
+    assert notebook.execute("print(names)").stdout.strip() == "['rank', 'world_size']"
+
+
 def test_tensors_and_torch_save_of_a_cell_class_work(notebook, tmp_path):
     notebook.execute("import torch\nclass Tiny(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.w = torch.nn.Parameter(torch.ones(2))")
     result = notebook.execute(
