@@ -8,7 +8,9 @@ from __future__ import annotations
 from nbshard.client import JobHandle, Settings, cancel_all, jobs, run, settings, submit
 from nbshard.dist import device, init_process_group
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobTimedOut, RankFailure, RemoteError
+from nbshard.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.job import Job
+from nbshard.monitor import log_metrics
 
 __all__ = [
     "Job",
@@ -17,13 +19,17 @@ __all__ = [
     "JobFailed",
     "JobHandle",
     "JobTimedOut",
+    "KernelHoldsCUDA",
     "RankFailure",
     "RemoteError",
     "Settings",
     "cancel_all",
+    "check_kernel",
     "device",
+    "hide_gpus_from_kernel",
     "init_process_group",
     "jobs",
+    "log_metrics",
     "run",
     "settings",
     "submit",

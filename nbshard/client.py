@@ -19,6 +19,7 @@ from typing import Any
 
 from nbshard.backends import get_backend
 from nbshard.files import write_atomic, write_json
+from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.pickling import dump_job
@@ -62,16 +63,6 @@ def _as_job(target: Job | Callable[..., Any], args: tuple[Any, ...], options: di
             raise TypeError("pass the function's arguments in Job(args=...), not to run()/submit() with a Job")
         return dataclasses.replace(target, **options) if options else target
     return Job(target, args, **options)
-
-
-def _visible_gpu_count(env: dict[str, str] | os._Environ[str]) -> int:
-    """GPUs the ranks would see, counted without creating a CUDA context."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e for e in visible.split(",") if e.strip()]
-        return len(entries) if entries and entries[0].strip() != "-1" else 0
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
 
 
 def _new_run_dir(label: str) -> RunDir:
@@ -118,7 +109,9 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     cwd = os.fspath(job.cwd) if job.cwd is not None else os.getcwd()
     if not os.path.isdir(cwd):
         raise ValueError(f"cwd {cwd!r} is not a directory")
-    nproc = job.nproc or (len(job.gpus) if job.gpus else max(_visible_gpu_count(os.environ), 1))
+    warn_if_kernel_holds_cuda()
+    kernel_env = ranks_environment(os.environ)
+    nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
     payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
     run_dir = _new_run_dir(job.label)
     key = new_key()
@@ -129,9 +122,10 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
         "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
         "grace": job.grace, "master_port": job.master_port, "run_id": run_dir.path.name,
         "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
+        "sample_interval": job.sample_interval,
     })
     try:
-        launcher = start(run_dir, launch_environment(os.environ, gpus=job.gpus, extra=job.env), cwd)
+        launcher = start(run_dir, launch_environment(kernel_env, gpus=job.gpus, extra=job.env), cwd)
     except BaseException:
         receiver.close()
         raise

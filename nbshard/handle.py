@@ -16,11 +16,12 @@ from typing import Any
 
 from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
-from nbshard.display import LinePrinter, TailView
+from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobTimedOut
 from nbshard.files import read_json
 from nbshard.job import Job, RunDir
 from nbshard.outcome import collect
+from nbshard.telemetry import Telemetry, to_frame
 from nbshard.wire import Receiver
 
 __all__ = ["JobHandle", "running_jobs"]
@@ -28,6 +29,8 @@ __all__ = ["JobHandle", "running_jobs"]
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
 LIVE_BACKLOG = 20_000  # lines kept while nobody watches; older ones are counted, not kept
+LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
+MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
 
 _running: set[JobHandle] = set()
 _running_lock = threading.Lock()
@@ -71,6 +74,7 @@ class JobHandle:
         self._callbacks: list[Callable[[JobHandle], Any]] = []
         self._callbacks_lock = threading.Lock()
         self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
+        self._telemetry = Telemetry(nproc)
         self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
         with _running_lock:
             _running.add(self)
@@ -133,17 +137,27 @@ class JobHandle:
     def watch(self, out: Any = None) -> None:
         """Print the ranks' output as it arrives until the job ends.
 
-        An interrupt (Ctrl-C, the notebook's stop button) cancels the job,
-        shows the ranks' stacks, and re-raises once every rank is gone.
+        In a notebook, a live view of each rank's memory and metrics sits above
+        the output and updates in place; elsewhere the memory is printed now
+        and then, and the peaks at the end. An interrupt (Ctrl-C, the notebook's
+        stop button) cancels the job, shows the ranks' stacks, and re-raises
+        once every rank is gone.
         """
         out = out or sys.stdout
         printer = LinePrinter(self.job.show_ranks)
+        live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
         self._watching = True
         if self._unshown:
             out.write(printer.note(f"{self._unshown} earlier lines are not shown here; handle.logs(rank) has them all"))
+        next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
         try:
             while not self._done.wait(0.1):
                 self._print_live(printer, out)
+                if live is not None:
+                    live.update(LIVE_VIEW_INTERVAL)
+                elif time.monotonic() > next_memory_text:
+                    next_memory_text += MEMORY_TEXT_INTERVAL
+                    self._print_live(printer, out, text=self._memory_text(peak=False))
         except KeyboardInterrupt:
             self._print_live(printer, out, text=f"interrupted: stopping {self.job.label} (interrupt again to kill it now)")
             try:
@@ -156,9 +170,21 @@ class JobHandle:
             raise
         finally:
             self._watching = False
-            self._print_live(printer, out)
+            self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True))
             out.write(printer.close())
             out.flush()
+            if live is not None:
+                live.update()  # the summary stays in the cell
+
+    def _memory_text(self, peak: bool) -> str | None:
+        """One line of each rank's memory (now, or its peak), or None before any sample."""
+        views = [v for v in self._telemetry.views() if v.device]
+        if not views:
+            return None
+        label = "peak memory" if peak else "memory"
+        return f"{label}: " + ", ".join(
+            f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views
+        )
 
     def _take_live(self) -> list[tuple[int, list[Any] | str]]:
         """The lines and notes that arrived since the last call (one consumer at a time)."""
@@ -182,14 +208,12 @@ class JobHandle:
         """Show the job in one notebook output that updates in place, without blocking.
 
         The output stays with the cell that called this, even while other cells
-        run: a display updated by its id, at most once per ``refresh`` seconds.
-        It shows the newest lines of each shown rank (``logs(rank)`` has all)
-        and, at the end, how the job ended.
+        run. It shows each rank's memory (current, peak, over time), its last
+        metrics and the newest lines (``logs(rank)`` has all), at most once per
+        ``refresh`` seconds, and how the job ended.
         """
-        from IPython.display import display
-
-        view = TailView(self.job.show_ranks)
-        shown = display({"text/plain": view.render(self.summary())}, raw=True, display_id=True)
+        tail = TailView(self.job.show_ranks)
+        live = LiveDisplay(lambda: self._render_view(tail))
         self._watching = True
         lock = threading.Lock()
 
@@ -197,10 +221,10 @@ class JobHandle:
             with lock:
                 for rank, item in self._take_live():
                     if isinstance(item, str):
-                        view.note(item)
+                        tail.note(item)
                     else:
-                        view.line(rank, *item[1:])
-                shown.update({"text/plain": view.render(self.summary())}, raw=True)
+                        tail.line(rank, *item[1:])
+                live.update()
 
         def refresh_until_done() -> None:
             while not self._done.wait(refresh):
@@ -208,6 +232,29 @@ class JobHandle:
 
         threading.Thread(target=refresh_until_done, name=f"nbshard-view-{self.run_dir.name}", daemon=True).start()
         self.add_done_callback(update)  # the last view, after earlier callbacks (e.g. pulls) ran
+
+    def _render_view(self, tail: TailView | None = None) -> tuple[str, str]:
+        """(HTML, text) of the live view: summary, each rank's memory and metrics, newest lines."""
+        title, views = self.summary(), self._telemetry.views()
+        lines = tail.render() if tail is not None else ""
+        text = render_text(title, views) + (f"\n{lines}" if lines else "")
+        return render_html(title, views, lines), text
+
+    # -- telemetry -----------------------------------------------------------
+
+    def memory(self, frame: bool = False) -> Any:
+        """Memory samples: one record per rank, time (and GPU), bytes; a DataFrame with ``frame``."""
+        records = self._telemetry.memory()
+        return to_frame(records) if frame else records
+
+    def metrics(self, frame: bool = False) -> Any:
+        """What ranks sent with ``nbshard.log_metrics``: records of rank, time, step and values."""
+        records = self._telemetry.metrics()
+        return to_frame(records) if frame else records
+
+    def peak_memory(self) -> dict[int, dict[str, int | None]]:
+        """Per rank: peak resident CPU memory, and peak GPU memory allocated / held (bytes)."""
+        return self._telemetry.peaks()
 
     def summary(self) -> str:
         """One line: what runs, how it stands, for how long."""
@@ -233,6 +280,9 @@ class JobHandle:
         if kind == "lines":
             rank = message["rank"]
             self._live.extend((rank, line) for line in message["lines"])
+            self._telemetry.last_line(rank, message["lines"][-1][2])
+        elif kind in ("sample", "metrics"):
+            self._telemetry.add(message)
         elif kind == "dropped":
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":

@@ -80,6 +80,8 @@ class Job:
     """Local modules to ship by value instead of importing them by name."""
     master_port: int | None = None
     """Port for the rendezvous; None picks a free one. A taken port is retried."""
+    sample_interval: float | None = 1.0
+    """Seconds between memory samples sent by each rank; None turns sampling off."""
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -119,7 +121,7 @@ def _validate(job: Job) -> None:
             raise ValueError(f"env sets {key}, which nbshard sets for each rank; use {option} instead")
     if job.cwd is not None and not isinstance(job.cwd, (str, os.PathLike)):
         raise TypeError(f"cwd must be a path, got {type(job.cwd).__name__}")
-    for field, value in (("timeout", job.timeout), ("grace", job.grace)):
+    for field, value in (("timeout", job.timeout), ("grace", job.grace), ("sample_interval", job.sample_interval)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
     if not isinstance(job.backend, str):

@@ -13,6 +13,8 @@ Message kinds:
 - ``dropped``: ``{"rank", "count", "log"}``: lines not streamed live because the
   kernel read too slowly; the log file still holds them.
 - ``event``: ``{"event", ...}``: lifecycle news from the launcher.
+- ``sample``: ``{"rank", "time", "rss", "peak_rss", "gpus": [...]}``: a rank's memory.
+- ``metrics``: ``{"rank", "time", "step", "values": {name: number}}``: from ``log_metrics``.
 - ``end``: the launcher's last message.
 """
 
@@ -102,12 +104,12 @@ class Receiver:
 class Sender:
     """The launcher's (or a rank's) end. Never blocks: a full queue drops and says so."""
 
-    def __init__(self, address: str, key: bytes) -> None:
+    def __init__(self, address: str, key: bytes, linger_ms: int = LINGER_MS) -> None:
         self.key = key
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._socket.setsockopt(zmq.LINGER, LINGER_MS)
+        self._socket.setsockopt(zmq.LINGER, linger_ms)
         self._socket.connect(address)
 
     def send(self, message: dict[str, Any], wait: float = 0.0) -> bool:
@@ -121,6 +123,6 @@ class Sender:
         return True
 
     def close(self) -> None:
-        """Flush for at most LINGER_MS, so an exiting process never hangs on the kernel."""
+        """Flush for at most the linger time, so an exiting process never hangs on the kernel."""
         self._socket.close()
         self._context.term()

@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from nbshard import monitor
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RunDir
 
@@ -124,6 +125,13 @@ def _write_error(run_dir: RunDir, rank: int, error: BaseException) -> None:
     )
 
 
+def _start_monitor(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> None:
+    try:
+        monitor.start(launch["address"], run_dir.key.read_bytes(), rank, launch["sample_interval"])
+    except Exception as error:  # noqa: BLE001 - telemetry must never fail a job
+        print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
+
+
 def _run(run_dir: RunDir, rank: int) -> int:
     from nbshard.pickling import dump_result
 
@@ -141,6 +149,7 @@ def _run(run_dir: RunDir, rank: int) -> int:
         _write_error(run_dir, rank, error)
         return 1
     _install_notebook_main(_notebook_objects(fn, args, kwargs), run_dir.notebook_main(rank))
+    _start_monitor(run_dir, rank, launch)
     try:
         value = fn(*args, **kwargs)
     except SystemExit as stop:
@@ -177,7 +186,10 @@ def main(run_dir: str) -> int:
     rank = int(os.environ["RANK"])
     _die_with_launcher()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks
-    return _run(paths, rank)
+    try:
+        return _run(paths, rank)
+    finally:
+        monitor.stop()
 
 
 def run_as_main(namespace: dict[str, Any]) -> None:

@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def gpu_count() -> int:
     """GPUs visible here, counted as nbshard counts them: without a CUDA context."""
-    from nbshard.client import _visible_gpu_count
+    from nbshard.gpus import visible_gpu_count
 
-    return _visible_gpu_count(os.environ)
+    return visible_gpu_count(os.environ)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,16 +18,19 @@ ALLOWED = {
     "display": set(),
     "lines": set(),
     "dist": set(),
+    "gpus": set(),
+    "monitor": {"wire"},
+    "telemetry": {"display"},
     "worker": {"job", "files", "pickling", "wire", "errors", "monitor"},
     "launcher": {"job", "files", "wire", "errors", "lines"},
     "backends": {"job", "backends"},
     "outcome": {"job", "files", "errors"},
-    "handle": {"job", "files", "wire", "errors", "backends", "display", "outcome", "launcher"},
-    "client": {"job", "files", "wire", "backends", "handle", "pickling"},
+    "handle": {"job", "files", "wire", "errors", "backends", "display", "outcome", "launcher", "telemetry"},
+    "client": {"job", "files", "wire", "backends", "handle", "pickling", "gpus"},
     "testing": {"__init__"},
     "cell": set(),
     "magic": {"cell", "client", "handle", "job", "pickling"},
-    "__init__": {"client", "dist", "errors", "job", "magic"},
+    "__init__": {"client", "dist", "errors", "job", "magic", "gpus", "monitor"},
 }
 
 

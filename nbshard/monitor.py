@@ -1,0 +1,161 @@
+"""Rank side telemetry: a sampler thread that sends memory, and ``log_metrics`` for user code.
+
+Samples go straight from each rank to the kernel's socket, signed like every
+message. The sampler never initializes CUDA: it reads device memory only in
+a process where CUDA is initialized already, and NVML (``nvidia-ml-py``),
+when installed, for what the process really holds on the device.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import resource
+import sys
+import threading
+import time
+from typing import Any
+
+from nbshard.wire import Sender
+
+__all__ = ["Monitor", "log_metrics", "sample_memory"]
+
+LINGER_MS = 500  # a rank's exit waits at most this long for a slow kernel
+
+_active: Monitor | None = None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_statm: int | None = None  # /proc/self/statm, opened once: a sample is then one pread
+
+
+def _resident_bytes() -> tuple[int, int]:
+    """(resident, peak resident) bytes of this process, in two system calls."""
+    global _statm
+    if _statm is None:
+        _statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+    resident_pages = int(os.pread(_statm, 128, 0).split()[1])
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    resident = resident_pages * _PAGE_SIZE
+    return resident, max(resident, peak_kib * 1024)  # the kernel updates the peak lazily
+
+
+class _NvmlUsage:
+    """Device memory this process holds according to NVML (context and NCCL buffers included)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, Any] | None = None
+        self._nvml: Any = None
+
+    def used(self, torch: Any) -> dict[int, int]:
+        try:
+            if self._handles is None:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                self._handles = {
+                    device: pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(device).uuid}")
+                    for device in range(torch.cuda.device_count())
+                }
+            pid, found = os.getpid(), {}
+            for device, handle in self._handles.items():
+                for process in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if process.pid == pid and process.usedGpuMemory is not None:
+                        found[device] = int(process.usedGpuMemory)
+            return found
+        except Exception:  # noqa: BLE001 - NVML missing, no permission, or another PID namespace
+            self._handles = {}
+            return {}
+
+
+_nvml = _NvmlUsage()
+
+
+def sample_memory() -> dict[str, Any]:
+    """This process's resident memory and, if it uses CUDA already, each device's memory."""
+    rss, peak_rss = _resident_bytes()
+    sample: dict[str, Any] = {"rss": rss, "peak_rss": peak_rss, "gpus": []}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # never the first to touch CUDA
+        used = _nvml.used(torch)
+        sample["gpus"] = [
+            {
+                "device": device,
+                "allocated": torch.cuda.memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device),
+                "peak_allocated": torch.cuda.max_memory_allocated(device),
+                "used": used.get(device),
+            }
+            for device in range(torch.cuda.device_count())
+        ]
+    return sample
+
+
+class Monitor:
+    """One per rank: sends a memory sample every ``interval`` seconds, and user metrics."""
+
+    def __init__(self, address: str, key: bytes, rank: int, interval: float | None) -> None:
+        self.rank = rank
+        self._sender = Sender(address, key, linger_ms=LINGER_MS)
+        self._lock = threading.Lock()  # the socket is shared by the sampler and user code
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread: threading.Thread | None = None
+        if interval:
+            self._thread = threading.Thread(target=self._sample_until_stopped, name="nbshard-monitor", daemon=True)
+            self._thread.start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        message.update(rank=self.rank, time=time.time())
+        with self._lock:
+            self._sender.send(message)
+
+    def _sample_until_stopped(self) -> None:
+        self.send({"kind": "sample", **sample_memory()})
+        while not self._stop.wait(self._interval):
+            self.send({"kind": "sample", **sample_memory()})
+
+    def close(self) -> None:
+        """Send a last sample (the peaks at the end), then flush for at most LINGER_MS."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self.send({"kind": "sample", **sample_memory()})
+        with self._lock:
+            self._sender.close()
+
+
+def start(address: str, key: bytes, rank: int, interval: float | None) -> Monitor:
+    global _active
+    _active = Monitor(address, key, rank, interval)
+    return _active
+
+
+def stop() -> None:
+    global _active
+    if _active is not None:
+        _active.close()
+        _active = None
+
+
+def log_metrics(step: int | None = None, **metrics: Any) -> bool:
+    """Send scalar metrics (``loss=0.3, lr=1e-4``) from a rank to the notebook.
+
+    Each value must be a number or a one-element tensor. Outside an nbshard
+    rank (a script under torchrun, the kernel) it does nothing and returns
+    False, so the same code runs everywhere.
+    """
+    values = {}
+    for name, value in metrics.items():
+        if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"log_metrics({name}=...) takes numbers or one-element tensors, got {type(value).__name__}")
+        values[name] = float(value)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise TypeError(f"log_metrics(step=...) takes an integer, got {step!r}")
+    if _active is None:
+        return False
+    _active.send({"kind": "metrics", "step": None if step is None else int(step), "values": values})
+    return True

@@ -1,0 +1,118 @@
+"""The kernel's record of a job's memory samples and metrics, as records, peaks and views."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+from nbshard.display import RankView
+
+__all__ = ["Telemetry", "to_frame"]
+
+HISTORY = 120  # memory points per rank kept for the live plot
+
+
+def _records_of_sample(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat record per device (or one without GPU fields), ready for a DataFrame."""
+    cpu = {"rank": message["rank"], "time": message["time"], "cpu_rss": message["rss"], "cpu_peak_rss": message["peak_rss"]}
+    gpus = message.get("gpus") or [{}]
+    return [
+        {
+            **cpu,
+            "gpu": gpu.get("device"),
+            "gpu_allocated": gpu.get("allocated"),
+            "gpu_reserved": gpu.get("reserved"),
+            "gpu_peak_allocated": gpu.get("peak_allocated"),
+            "gpu_used": gpu.get("used"),
+        }
+        for gpu in gpus
+    ]
+
+
+class Telemetry:
+    """Filled from the wire by the handle's thread; read by anyone (it locks)."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc = nproc
+        self._memory: list[dict[str, Any]] = []
+        self._metrics: list[dict[str, Any]] = []
+        self._history: dict[int, collections.deque[float]] = {r: collections.deque(maxlen=HISTORY) for r in range(nproc)}
+        self._latest: dict[int, dict[str, Any]] = {}
+        self._peak: dict[int, float] = {}
+        self._last_metrics: dict[int, dict[str, float]] = {}
+        self._last_line: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, message: dict[str, Any]) -> bool:
+        """Record a ``sample`` or ``metrics`` message; False for other kinds."""
+        kind, rank = message.get("kind"), message.get("rank")
+        if kind not in ("sample", "metrics") or not isinstance(rank, int) or not 0 <= rank < self.nproc:
+            return False
+        with self._lock:
+            if kind == "sample":
+                records = _records_of_sample(message)
+                self._memory.extend(records)
+                self._latest[rank] = records[0]
+                device, shown = _shown_bytes(records[0])
+                true_peak = records[0]["gpu_peak_allocated" if device == "GPU" else "cpu_peak_rss"] or 0
+                self._history[rank].append(shown)
+                self._peak[rank] = max(self._peak.get(rank, 0.0), shown, float(true_peak))
+            else:
+                values = message.get("values", {})
+                self._metrics.append({"rank": rank, "time": message["time"], "step": message.get("step"), **values})
+                self._last_metrics.setdefault(rank, {}).update(values)
+                if message.get("step") is not None:
+                    self._last_metrics[rank]["step"] = message["step"]
+        return True
+
+    def last_line(self, rank: int, text: str) -> None:
+        self._last_line[rank] = text
+
+    def memory(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._memory)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._metrics)
+
+    def peaks(self) -> dict[int, dict[str, int | None]]:
+        """Per rank: the highest resident CPU memory and GPU memory seen (bytes)."""
+        peaks: dict[int, dict[str, int | None]] = {}
+        for record in self.memory():
+            peak = peaks.setdefault(record["rank"], {"cpu_peak_rss": 0, "gpu_peak_allocated": None, "gpu_peak_used": None})
+            peak["cpu_peak_rss"] = max(peak["cpu_peak_rss"] or 0, record["cpu_peak_rss"])
+            for field, source in (("gpu_peak_allocated", "gpu_peak_allocated"), ("gpu_peak_used", "gpu_used")):
+                if record[source] is not None:
+                    peak[field] = max(peak[field] or 0, record[source])
+        return dict(sorted(peaks.items()))
+
+    def views(self) -> list[RankView]:
+        """What the live view shows for each rank."""
+        with self._lock:
+            views = []
+            for rank in range(self.nproc):
+                latest = self._latest.get(rank)
+                device, current = _shown_bytes(latest) if latest else ("", None)
+                views.append(RankView(
+                    rank=rank, device=device, current=current, peak=self._peak.get(rank),
+                    history=list(self._history[rank]), metrics=dict(self._last_metrics.get(rank, {})),
+                    last_line=self._last_line.get(rank, ""),
+                ))
+            return views
+
+
+def _shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
+    """The memory that matters for a rank: its GPU's when it uses one, else resident CPU memory."""
+    if record.get("gpu_allocated") is not None:
+        return "GPU", float(record["gpu_used"] if record.get("gpu_used") is not None else record["gpu_reserved"])
+    return "CPU", float(record["cpu_rss"])
+
+
+def to_frame(records: list[dict[str, Any]]) -> Any:
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("pandas is not installed: `pip install pandas`, or use the records themselves") from None
+    return pandas.DataFrame.from_records(records)

@@ -1,0 +1,119 @@
+"""Memory samples and metrics from the ranks, and the live view rendered from plain state."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+import nbshard
+from nbshard.display import RankView, render_html, render_text, sparkline_svg
+from nbshard.monitor import log_metrics, sample_memory
+from nbshard.telemetry import Telemetry
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1024 * 1024
+
+
+def hold_memory(megabytes, steps):
+    import time
+
+    import nbshard
+
+    time.sleep(0.5)  # samples of the baseline first
+    block = bytearray(megabytes * MIB)
+    block[::4096] = b"x" * len(block[::4096])  # touch every page: resident, not just reserved
+    for step in range(steps):
+        nbshard.log_metrics(step=step, loss=1.0 / (step + 1), lr=0.1)
+        time.sleep(0.25)
+    return len(block)
+
+
+def test_sample_memory_reads_resident_memory_and_touches_no_gpu():
+    sample = sample_memory()
+    assert sample["rss"] > 10 * MIB and sample["peak_rss"] >= sample["rss"]
+    assert sample["gpus"] == []  # CUDA is not initialized in this process: nothing is asked of it
+
+
+def test_log_metrics_outside_a_rank_does_nothing_and_checks_its_values():
+    assert log_metrics(step=1, loss=0.5) is False
+    with pytest.raises(TypeError, match="numbers or one-element tensors"):
+        log_metrics(loss="low")
+    with pytest.raises(TypeError, match="step"):
+        log_metrics(step=1.5, loss=0.5)
+
+
+def test_telemetry_keeps_records_peaks_and_views():
+    telemetry = Telemetry(nproc=2)
+    for time, rss in ((1.0, 100 * MIB), (2.0, 300 * MIB), (3.0, 150 * MIB)):
+        assert telemetry.add({"kind": "sample", "rank": 0, "time": time, "rss": rss, "peak_rss": max(rss, 300 * MIB), "gpus": []})
+    telemetry.add({"kind": "metrics", "rank": 1, "time": 2.5, "step": 7, "values": {"loss": 0.25}})
+    telemetry.last_line(1, "epoch 3")
+    assert not telemetry.add({"kind": "sample", "rank": 5, "time": 1.0, "rss": 1, "peak_rss": 1})  # no such rank
+    assert [r["cpu_rss"] for r in telemetry.memory()] == [100 * MIB, 300 * MIB, 150 * MIB]
+    assert telemetry.metrics() == [{"rank": 1, "time": 2.5, "step": 7, "loss": 0.25}]
+    assert telemetry.peaks() == {0: {"cpu_peak_rss": 300 * MIB, "gpu_peak_allocated": None, "gpu_peak_used": None}}
+    rank0, rank1 = telemetry.views()
+    assert (rank0.device, rank0.current, rank0.peak) == ("CPU", 150 * MIB, 300 * MIB)
+    assert rank0.history == [100 * MIB, 300 * MIB, 150 * MIB]
+    assert (rank1.metrics, rank1.last_line, rank1.device) == ({"loss": 0.25, "step": 7}, "epoch 3", "")
+
+
+def test_gpu_samples_show_the_memory_the_process_holds():
+    telemetry = Telemetry(nproc=1)
+    gpu = {"device": 0, "allocated": 2 * 1024**3, "reserved": 3 * 1024**3, "peak_allocated": 5 * 1024**3, "used": 4 * 1024**3}
+    telemetry.add({"kind": "sample", "rank": 0, "time": 1.0, "rss": MIB, "peak_rss": MIB, "gpus": [gpu]})
+    (view,) = telemetry.views()
+    assert (view.device, view.current, view.peak) == ("GPU", 4 * 1024**3, 5 * 1024**3)
+    assert "GPU 4.0 GiB (peak 5.0 GiB)" in render_text("job", [view])
+
+
+def test_views_render_as_text_and_self_contained_html():
+    views = [RankView(rank=0, device="GPU", current=2 * 1024**3, peak=3 * 1024**3, history=[1.0, 3.0, 2.0],
+                      metrics={"loss": 0.125}, last_line="<b>step 5</b>")]
+    text = render_text("train on 1 rank: running", views)
+    assert text.splitlines() == ["train on 1 rank: running", "  rank 0 | GPU 2.0 GiB (peak 3.0 GiB) | loss=0.125 | <b>step 5</b>"]
+    html = render_html("train <1>", views, tail="[rank0]: a < b")
+    assert "<script" not in html and "http" not in html
+    assert "&lt;b&gt;step 5&lt;/b&gt;" in html and "train &lt;1&gt;" in html and "a &lt; b" in html
+    assert "<polyline" in html and "3.0 GiB" in html
+    assert sparkline_svg([5.0]).count("<polyline") == 0
+
+
+def test_a_job_reports_each_ranks_memory_and_metrics():
+    handle = nbshard.submit(hold_memory, 200, 6, nproc=2, sample_interval=0.2)
+    shown = io.StringIO()
+    handle.watch(shown)
+    assert handle.result() == 200 * MIB
+    memory = handle.memory()
+    for rank in (0, 1):
+        samples = [r for r in memory if r["rank"] == rank]
+        assert len(samples) >= 4
+        assert [r["time"] for r in samples] == sorted(r["time"] for r in samples)
+        baseline = min(r["cpu_rss"] for r in samples)
+        assert handle.peak_memory()[rank]["cpu_peak_rss"] - baseline >= 190 * MIB
+        metrics = [m for m in handle.metrics() if m["rank"] == rank]
+        assert [m["step"] for m in metrics] == list(range(6))
+        assert metrics[-1]["loss"] == pytest.approx(1 / 6) and metrics[-1]["lr"] == 0.1
+    assert "[nbshard]: peak memory: rank 0 CPU" in shown.getvalue()
+    frame = handle.memory(frame=True)
+    assert set(frame["rank"]) == {0, 1} and frame["cpu_peak_rss"].max() >= 200 * MIB
+    assert list(handle.metrics(frame=True).columns) == ["rank", "time", "step", "loss", "lr"]
+
+
+def test_sampling_can_be_turned_off_while_metrics_still_arrive():
+    handle = nbshard.submit(hold_memory, 1, 2, nproc=1, sample_interval=None)
+    handle.result(timeout=60)
+    assert handle.memory() == [] and len(handle.metrics()) == 2
+
+
+def test_the_sampler_does_not_import_torch_or_cuda_into_a_rank():
+    def modules_loaded():
+        import time
+
+        time.sleep(0.5)  # a few samples happen meanwhile
+        return sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
+
+    assert nbshard.run(modules_loaded, nproc=1, sample_interval=0.1) == []
