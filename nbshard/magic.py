@@ -25,7 +25,7 @@ from nbshard.pickling import describe_unpicklable, find_unpicklable
 __all__ = ["ShardMagics", "load_ipython_extension"]
 
 # Names IPython keeps in the user namespace for itself; never shipped.
-_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
 
 
 def _names(values: list[str]) -> list[str]:
