@@ -18,6 +18,7 @@ ALLOWED = {
     "display": set(),
     "lines": set(),
     "dist": set(),
+    "fsdp": set(),
     "gpus": set(),
     "monitor": {"wire"},
     "telemetry": {"display"},

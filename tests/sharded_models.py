@@ -1,0 +1,111 @@
+"""Models for the sharded-loading tests; ranks import this module by name."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class RotaryLM(nn.Module):
+    """Tied embedding and head, and a non-persistent rotary buffer, like many LLMs."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied after the layers are built
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        angles = torch.arange(tokens.shape[-1]).float()[:, None] * self.inv_freq[None, :]
+        x = x + torch.cat([angles.sin(), angles.cos()], dim=-1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class NoInit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+
+
+TOKENS = torch.arange(16).reshape(2, 8) % 64
+
+
+def from_scratch(seed):
+    import torch.distributed as dist
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(RotaryLM, seed=seed)
+    local = model.blocks[0].up.weight.to_local()
+    shards = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(shards, local.contiguous())
+    logits = model(TOKENS)
+    return {
+        "state": fsdp.full_state_dict(model),
+        "inv_freq": model.inv_freq.clone(),
+        "tied": model.head.weight is model.embed.weight,
+        "shards_differ": not torch.equal(shards[0], shards[1]),
+        "logits": logits.detach().full_tensor() if hasattr(logits, "full_tensor") else logits.detach(),
+    }
+
+
+def from_full_checkpoint(path):
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(RotaryLM, full_checkpoint=path)
+    logits = model(TOKENS)
+    return {"state": fsdp.full_state_dict(model), "logits": logits.detach(), "tied": model.head.weight is model.embed.weight}
+
+
+def train_and_save(folder, full_path):
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(RotaryLM, seed=5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(TOKENS).pow(2).mean().backward()
+    optimizer.step()
+    fsdp.save_sharded(model, folder)
+    fsdp.save_full(model, full_path)
+    return fsdp.full_state_dict(model)
+
+
+def from_sharded_checkpoint(folder, **build_options):
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: RotaryLM(**build_options), sharded_checkpoint=folder)
+    return fsdp.full_state_dict(model)
+
+
+def without_reset_parameters():
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    fsdp.build_sharded(NoInit)

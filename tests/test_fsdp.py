@@ -1,0 +1,80 @@
+"""nbshard.fsdp: only the shard in memory, on 2 CPU ranks with gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbshard
+import sharded_models
+from sharded_models import TOKENS, RotaryLM
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def reference(seed: int) -> RotaryLM:
+    torch.manual_seed(seed)
+    return RotaryLM()
+
+
+def assert_same_state(state: dict, expected: dict) -> None:
+    assert sorted(state) == sorted(expected)
+    for key in expected:
+        assert torch.equal(state[key], expected[key]), key
+
+
+def test_init_from_scratch_is_bit_for_bit_a_single_process_init():
+    result = nbshard.run(sharded_models.from_scratch, 0, nproc=2)
+    model = reference(0)
+    assert_same_state(result["state"], model.state_dict())
+    assert result["shards_differ"], "each rank must hold its own part, not a copy of rank 0's"
+    assert result["tied"] and "head.weight" in result["state"]
+    assert torch.equal(result["state"]["head.weight"], result["state"]["embed.weight"])
+    assert torch.equal(result["inv_freq"], model.inv_freq)  # a non-persistent buffer, right after meta
+    assert torch.allclose(result["logits"], model(TOKENS).detach(), atol=1e-5)
+
+
+def test_a_full_checkpoint_read_by_rank_0_fills_every_shard(tmp_path):
+    model = reference(1)
+    path = tmp_path / "full.pt"
+    torch.save(model.state_dict(), path)
+    result = nbshard.run(sharded_models.from_full_checkpoint, str(path), nproc=2)
+    assert_same_state(result["state"], model.state_dict())
+    assert result["tied"]
+    assert torch.allclose(result["logits"], model(TOKENS).detach(), atol=1e-5)
+
+
+def test_sharded_and_full_checkpoints_round_trip(tmp_path):
+    folder, full_path = tmp_path / "sharded", tmp_path / "full.pt"
+    trained = nbshard.run(sharded_models.train_and_save, str(folder), str(full_path), nproc=2)
+    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_state(nbshard.run(sharded_models.from_sharded_checkpoint, str(folder), nproc=2), trained)
+    plain = RotaryLM()
+    plain.load_state_dict(torch.load(full_path, weights_only=True))  # strict: every key, every shape
+    assert_same_state(plain.state_dict(), trained)
+
+
+def test_a_checkpoint_that_does_not_match_names_the_keys(tmp_path):
+    state = reference(2).state_dict()
+    del state["norm.bias"]
+    state["blocks.0.up.weight"] = torch.zeros(3, 3)
+    state["extra.weight"] = torch.zeros(1)
+    path = tmp_path / "wrong.pt"
+    torch.save(state, path)
+    with pytest.raises(nbshard.JobFailed) as caught:
+        nbshard.run(sharded_models.from_full_checkpoint, str(path), nproc=2)
+    message = str(caught.value.__cause__)
+    assert "Missing from it: norm.bias" in message and "Not in the model: extra.weight" in message
+    assert "blocks.0.up.weight: the checkpoint has shape (3, 3), the model (128, 32)" in message
+
+
+def test_a_sharded_checkpoint_of_another_model_names_the_keys(tmp_path):
+    folder = tmp_path / "sharded"
+    nbshard.run(sharded_models.train_and_save, str(folder), str(tmp_path / "full.pt"), nproc=2)
+    with pytest.raises(nbshard.JobFailed, match=r"Missing from it: blocks\.3\.down\.bias"):
+        nbshard.run(sharded_models.from_sharded_checkpoint, str(folder), nproc=2, kwargs={"depth": 4})
+
+
+def test_a_parameter_without_reset_parameters_is_named():
+    with pytest.raises(nbshard.JobFailed, match=r"no reset_parameters\(\) initializes scale"):
+        nbshard.run(sharded_models.without_reset_parameters, nproc=2)
