@@ -68,10 +68,13 @@ class RankFailure:
     """True when nbshard stopped this rank (after another failed, on timeout or cancel)."""
     stacks: str = ""
     """The rank's Python stacks (faulthandler) taken just before it was stopped."""
+    notes: tuple[str, ...] = ()
+    """The exception's notes, and nbshard's hint when it knows the likely cause."""
 
     def describe(self) -> str:
         if self.exc_type is not None:
-            return f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
+            raised = f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
+            return "\n    ".join([raised, *self.notes])
         if self.stopped:
             return f"rank {self.rank} was stopped by nbshard"
         if self.signal is not None:
@@ -95,6 +98,7 @@ class RankFailure:
             message=str(data["message"]),
             frames=tuple(data.get("frames", ())),
             traceback=str(data.get("traceback", "")),
+            notes=tuple(map(str, data.get("notes", ()))),
         )
 
 
@@ -218,5 +222,7 @@ def remote_exception(failure: RankFailure) -> BaseException:
         traceback = entry
     exc.__traceback__ = traceback
     if hasattr(exc, "add_note"):  # Python 3.11+
+        for note in failure.notes:
+            exc.add_note(note)
         exc.add_note(f"(raised in rank {failure.rank})")
     return exc

@@ -107,9 +107,9 @@ def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | Non
     return tb
 
 
-def _write_error(run_dir: RunDir, rank: int, error: BaseException) -> None:
+def _write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
     tb = _user_traceback(error.__traceback__)
-    text = "".join(traceback.format_exception(type(error), error, tb))
+    text = "".join(traceback.format_exception(type(error), error, tb)) + (f"{hint}\n" if hint else "")
     sys.stderr.write(text)
     cls = type(error)
     write_json(
@@ -121,6 +121,7 @@ def _write_error(run_dir: RunDir, rank: int, error: BaseException) -> None:
             "message": str(error),
             "frames": _frames(tb),
             "traceback": text,
+            "notes": [*getattr(error, "__notes__", ()), *([hint] if hint else [])],
         },
     )
 
@@ -140,13 +141,11 @@ def _run(run_dir: RunDir, rank: int) -> int:
     try:
         fn, args, kwargs = pickle.loads(run_dir.job.read_bytes())
     except Exception as error:
-        if hasattr(error, "add_note"):  # Python 3.11+
-            error.add_note(
-                "nbshard could not load the job in this rank: it refers by name to something "
-                "not importable here. Install it in this Python environment, make it importable "
-                "from the job's cwd, or pass pickle_by_value=[module]."
-            )
-        _write_error(run_dir, rank, error)
+        _write_error(run_dir, rank, error, hint=(
+            "nbshard could not load the job in this rank: it refers by name to something not "
+            "importable here. Install it in this Python environment, make it importable from the "
+            "job's cwd, or pass pickle_by_value=[module]."
+        ))
         return 1
     _install_notebook_main(_notebook_objects(fn, args, kwargs), run_dir.notebook_main(rank))
     _start_monitor(run_dir, rank, launch)

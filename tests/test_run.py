@@ -90,8 +90,10 @@ def test_a_local_module_can_travel_by_value(tmp_path):
     finally:
         sys.path.remove(str(module_dir))  # the ranks cannot import it by name
     try:
-        with pytest.raises(nbshard.JobFailed, match="ModuleNotFoundError|pickle_by_value"):
+        with pytest.raises(nbshard.JobFailed) as caught:
             nbshard.run(kernel_only_helper.answer, nproc=1)
+        assert "ModuleNotFoundError: No module named 'kernel_only_helper'" in str(caught.value)
+        assert "pass pickle_by_value=[module]" in str(caught.value)
         assert nbshard.run(kernel_only_helper.answer, nproc=1, pickle_by_value=[kernel_only_helper]) == "by value"
     finally:
         sys.modules.pop("kernel_only_helper", None)
