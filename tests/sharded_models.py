@@ -32,7 +32,7 @@ class RotaryLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        angles = torch.arange(tokens.shape[-1]).float()[:, None] * self.inv_freq[None, :]
+        angles = torch.arange(tokens.shape[-1], device=tokens.device).float()[:, None] * self.inv_freq[None, :]
         x = x + torch.cat([angles.sin(), angles.cos()], dim=-1)
         for block in self.blocks:
             x = block(x)
@@ -60,12 +60,12 @@ def from_scratch(seed):
     local = model.blocks[0].up.weight.to_local()
     shards = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(shards, local.contiguous())
-    logits = model(TOKENS)
+    logits = model(TOKENS.to(nbshard.device()))
     return {
         "state": fsdp.full_state_dict(model),
         "inv_freq": model.inv_freq.clone(),
         "tied": model.head.weight is model.embed.weight,
-        "shards_differ": not torch.equal(shards[0], shards[1]),
+        "shards_differ": len(shards) > 1 and not torch.equal(shards[0], shards[1]),
         "logits": logits.detach().full_tensor() if hasattr(logits, "full_tensor") else logits.detach(),
     }
 
@@ -76,7 +76,7 @@ def from_full_checkpoint(path):
 
     nbshard.init_process_group()
     model = fsdp.build_sharded(RotaryLM, full_checkpoint=path)
-    logits = model(TOKENS)
+    logits = model(TOKENS.to(nbshard.device()))
     return {"state": fsdp.full_state_dict(model), "logits": logits.detach(), "tied": model.head.weight is model.embed.weight}
 
 
@@ -87,7 +87,7 @@ def train_and_save(folder, full_path):
     nbshard.init_process_group()
     model = fsdp.build_sharded(RotaryLM, seed=5)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(TOKENS).pow(2).mean().backward()
+    model(TOKENS.to(nbshard.device())).pow(2).mean().backward()
     optimizer.step()
     fsdp.save_sharded(model, folder)
     fsdp.save_full(model, full_path)

@@ -9,7 +9,9 @@ import pytest
 
 import nbshard
 import programs
+import sharded_models
 from conftest import gpu_count
+from test_fsdp import assert_same_state, reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -40,3 +42,45 @@ def test_fsdp2_step_on_gpus():
     result = nbshard.run(programs.fsdp2_step, nproc=min(gpu_count(), 2))
     assert result["full_weight"].device.type == "cpu"
     assert result["losses"][-1] < result["losses"][0]
+
+
+def imports_torch_without_cuda():
+    import time
+
+    import torch
+
+    time.sleep(1.0)  # several samples happen meanwhile
+    return torch.cuda.is_initialized()
+
+
+def test_the_sampler_never_initializes_cuda_in_a_rank():
+    handle = nbshard.submit(imports_torch_without_cuda, nproc=1, sample_interval=0.1)
+    assert handle.result(timeout=120) is False
+    assert len(handle.memory()) >= 5 and all(r["gpu"] is None for r in handle.memory())
+
+
+def holds_device_memory():
+    import time
+
+    import torch
+
+    import nbshard
+
+    block = torch.ones(64, 1024, 1024, device=nbshard.device())  # 256 MiB
+    time.sleep(1.0)
+    return block.numel() * 4
+
+
+def test_a_rank_using_cuda_reports_device_memory():
+    handle = nbshard.submit(holds_device_memory, nproc=1, sample_interval=0.1)
+    size = handle.result(timeout=120)
+    peaks = handle.peak_memory()[0]
+    assert peaks["gpu_peak_allocated"] >= size
+    assert max(r["gpu_allocated"] or 0 for r in handle.memory()) >= size
+
+
+def test_fsdp_helper_from_scratch_on_gpus_matches_one_process():
+    nproc = min(gpu_count(), 2)
+    result = nbshard.run(sharded_models.from_scratch, 0, nproc=nproc)
+    assert_same_state(result["state"], reference(0).state_dict())
+    assert result["tied"]

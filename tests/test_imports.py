@@ -59,6 +59,9 @@ def test_modules_import_only_what_the_design_allows():
 
 
 def test_import_nbshard_imports_no_torch():
-    code = "import sys, nbshard, nbshard.launcher, nbshard.worker; print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
+    code = (
+        "import sys, nbshard, nbshard.launcher, nbshard.worker, nbshard.magic, nbshard.telemetry, nbshard.testing; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"
