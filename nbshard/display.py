@@ -97,8 +97,8 @@ class TailView:
     def note(self, text: str) -> None:
         self._lines.append([None, f"[nbshard]: {text}", False])
 
-    def render(self, title: str = "") -> str:
-        return "\n".join([title, *(text for _, text, _ in self._lines)] if title else [text for _, text, _ in self._lines])
+    def render(self) -> str:
+        return "\n".join(text for _, text, _ in self._lines)
 
 
 @dataclasses.dataclass

@@ -186,18 +186,16 @@ class JobHandle:
             f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views
         )
 
-    def _take_live(self) -> list[tuple[int, list[Any] | str]]:
-        """The lines and notes that arrived since the last call (one consumer at a time)."""
-        taken = []
+    def _feed_live(self, sink: LinePrinter | TailView) -> list[Any]:
+        """Hand the lines and notes that arrived since the last call to ``sink`` (one consumer at a time)."""
+        fed = []
         while self._live:
-            taken.append(self._live.popleft())
-        return taken
+            rank, item = self._live.popleft()
+            fed.append(sink.note(item) if isinstance(item, str) else sink.line(rank, *item[1:]))
+        return fed
 
     def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None) -> None:
-        chunks = [
-            printer.note(item) if isinstance(item, str) else printer.line(rank, *item[1:])
-            for rank, item in self._take_live()
-        ]
+        chunks = self._feed_live(printer)
         if text:
             chunks.append(printer.note(text))
         if chunks:
@@ -219,11 +217,7 @@ class JobHandle:
 
         def update(_: Any = None) -> None:
             with lock:
-                for rank, item in self._take_live():
-                    if isinstance(item, str):
-                        tail.note(item)
-                    else:
-                        tail.line(rank, *item[1:])
+                self._feed_live(tail)
                 live.update()
 
         def refresh_until_done() -> None:

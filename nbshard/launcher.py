@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbshard.errors import signal_name
 from nbshard.files import read_json, write_json
 from nbshard.job import RunDir, rank_environment
 from nbshard.lines import LineSplitter
@@ -160,16 +161,16 @@ class Launcher:
         splitter = proc.splitters[fd]
         if proc.stack_capture is not None and splitter.stream == "err":
             proc.stack_capture.append(data.decode("utf-8", "replace"))
-        lines = splitter.feed(data, now)
-        if lines:
-            self.send({"kind": "lines", "rank": proc.rank, "lines": lines}, proc.rank, len(lines))
+        self.send_lines(proc.rank, splitter.feed(data, now))
 
     def send_open_lines(self, now: float) -> None:
         for proc in self.ranks:
             proc.log.flush()
-            lines = [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None]
-            if lines:
-                self.send({"kind": "lines", "rank": proc.rank, "lines": lines}, proc.rank, len(lines))
+            self.send_lines(proc.rank, [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None])
+
+    def send_lines(self, rank: int, lines: list[list[Any]]) -> None:
+        if lines:
+            self.send({"kind": "lines", "rank": rank, "lines": lines}, rank, len(lines))
 
     def check_exits(self) -> None:
         for proc in self.ranks:
@@ -178,7 +179,7 @@ class Launcher:
             proc.returncode = proc.popen.returncode
             proc.ended_at = time.time()
             proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
-            signame = signal.Signals(-proc.returncode).name if proc.returncode < 0 else None
+            signame = signal_name(-proc.returncode) if proc.returncode < 0 else None
             self.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
             if not proc.ok and self.stop_reason is None:
                 self.first_failure = proc.rank

@@ -82,7 +82,7 @@ class Receiver:
         self.address = f"tcp://127.0.0.1:{port}"
 
     def receive(self, timeout: float) -> list[dict[str, Any]]:
-        """Every message that arrives within ``timeout`` seconds of the first wait."""
+        """Wait up to ``timeout`` seconds for a message, then take every one already queued."""
         messages: list[dict[str, Any]] = []
         if not self._socket.poll(int(timeout * 1000)):
             return messages

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from nbshard.display import LinePrinter
+from nbshard.display import LinePrinter, TailView
 from nbshard.launcher import pick_port
 from nbshard.lines import LineSplitter
 
@@ -63,3 +63,16 @@ def test_pick_port_avoids_a_taken_port():
         port = taken.getsockname()[1]
         assert pick_port(port) != port
     assert pick_port(None) > 0
+
+
+def test_tail_view_keeps_the_newest_lines_with_a_progress_bar_as_one_line():
+    view = TailView(show_ranks=[0, 1], max_lines=3)
+    view.line(0, "out", "first", False)
+    view.line(0, "err", "10%", True)
+    view.line(1, "out", "from rank 1", False)
+    view.line(0, "err", "90%", True)  # rewrites rank 0's open line in place
+    view.line(2, "out", "hidden", False)
+    assert view.render().splitlines() == ["[rank0]: first", "[rank0]: 90%", "[rank1]: from rank 1"]
+    view.line(0, "err", "100% done", False)
+    view.note("finished")
+    assert view.render().splitlines() == ["[rank0]: 100% done", "[rank1]: from rank 1", "[nbshard]: finished"]
