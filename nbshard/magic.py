@@ -39,6 +39,15 @@ def _gpus(text: str | None) -> tuple[int | str, ...] | None:
     return tuple(int(g) if g.strip().isdigit() else g.strip() for g in text.split(",") if g.strip())
 
 
+def _ranks(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    names = _names([text])
+    if not all(name.isdigit() for name in names):
+        raise UsageError(f"--show-ranks takes rank numbers, e.g. 0 or 0,1; got {text!r}")
+    return [int(name) for name in names]
+
+
 def _environment(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
@@ -143,7 +152,7 @@ class ShardMagics(Magics):
                         "pull": pull, "pull_all": args.pull_all},
                 nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=None if args.show_ranks is None else [int(r) for r in _names([args.show_ranks])],
+                show_ranks=_ranks(args.show_ranks),
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:

@@ -82,6 +82,26 @@ def test_tensors_and_torch_save_of_a_cell_class_work(notebook, tmp_path):
     assert check.stdout.strip() == "[1.0, 1.0] Tiny"
 
 
+def test_show_ranks_and_spawn_dataloaders_over_a_dataset_from_an_earlier_cell(notebook):
+    notebook.execute(
+        "import torch\n"
+        "class Squares(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 8\n"
+        "    def __getitem__(self, index):\n"
+        "        return torch.tensor([float(index * index)])\n"
+    )
+    result = notebook.execute(
+        "%%shard_train --nproc 2 --show-ranks 1 --pull total\n"
+        "loader = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=2, multiprocessing_context='spawn')\n"
+        "total = sum(batch.sum().item() for batch in loader)\n"
+        "print('total', total)\n"
+    )
+    assert result.status == "ok", result.stderr + result.traceback
+    assert "[rank1]: total 140.0" in result.stdout and "[rank0]" not in result.stdout
+    assert notebook.execute("print(total)").stdout.strip() == "140.0"
+
+
 def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
     result = notebook.execute(
         "%%shard_train --nproc 2\n"
@@ -104,6 +124,7 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train --nproc 0\npass", "nproc must be a positive integer"),
         ("%%shard_train --bogus\npass", "unrecognized arguments: --bogus"),
         ("%%shard_train --env NOEQUALS\npass", "--env takes KEY=VALUE"),
+        ("%%shard_train --show-ranks first\npass", "--show-ranks takes rank numbers"),
         ("%%shard_train\n!nvidia-smi", "uses IPython syntax: '!nvidia-smi'"),
         ("%%shard_train\n%time x = 1", "uses IPython syntax: '%time x = 1'"),
         ("%%shard_train\ndef broken(:\n    pass", "syntax error in cell line 2"),
