@@ -159,7 +159,15 @@ def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):
     )
     assert launch.status == "ok", launch.stderr + launch.traceback
     display_id = next(m for m in launch.messages if m["msg_type"] == "display_data")["content"]["transient"]["display_id"]
-    other = notebook.execute("import time\ntime.sleep(4)\nprint('other cell', training.done())")
+    other = notebook.execute(  # runs while the job does, and a little after it ended
+        "import time\n"
+        "for _ in range(600):\n"
+        "    if training.done():\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "time.sleep(1.5)\n"
+        "print('other cell', training.done())"
+    )
     assert other.stdout.strip() == "other cell True"
     updates = [m for m in other.messages if m["msg_type"] == "update_display_data"]
     assert updates and all(u["content"]["transient"]["display_id"] == display_id for u in updates)
