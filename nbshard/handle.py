@@ -18,9 +18,8 @@ from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobTimedOut
-from nbshard.files import read_json
 from nbshard.job import Job, RunDir
-from nbshard.outcome import collect
+from nbshard.outcome import collect, read_outcome
 from nbshard.telemetry import Telemetry, to_frame
 from nbshard.wire import Receiver
 
@@ -294,13 +293,9 @@ class JobHandle:
             f"slowly; the full log is {self._paths.log(rank)}"
         )))
 
-    def _note_unreported_drops(self) -> None:
+    def _note_unreported_drops(self, outcome: dict[str, Any] | None) -> None:
         """The launcher's final tally, in case its last notices could not reach the kernel."""
-        try:
-            totals = read_json(self._paths.outcome).get("dropped_lines", {})
-        except (OSError, ValueError):
-            return
-        for rank, total in totals.items():
+        for rank, total in (outcome or {}).get("dropped_lines", {}).items():
             missing = total - self._reported_drops[int(rank)]
             if missing > 0:
                 self._note_dropped(int(rank), missing)
@@ -326,10 +321,11 @@ class JobHandle:
             self._finish()
 
     def _finish(self) -> None:
-        self._note_unreported_drops()
         try:
+            outcome = read_outcome(self._paths)  # read once: for the drop tally and the result
+            self._note_unreported_drops(outcome)
             self._value, self._exception = collect(
-                self._paths, nproc=self.nproc, return_all=self.job.return_all,
+                self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
                 timeout=self.job.timeout, launcher_exit=self._launcher.poll(),
             )
         except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle

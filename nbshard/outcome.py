@@ -17,7 +17,7 @@ from nbshard.errors import (
 from nbshard.files import read_json
 from nbshard.job import RunDir
 
-__all__ = ["collect"]
+__all__ = ["collect", "read_outcome"]
 
 
 def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFailure]:
@@ -48,12 +48,23 @@ def _load_values(run_dir: RunDir, ranks: range) -> list[Any]:
     return [pickle.loads(run_dir.result(rank).read_bytes()) for rank in ranks]
 
 
+def read_outcome(run_dir: RunDir) -> dict[str, Any] | None:
+    """The launcher's ``outcome.json``, or None when it ended without writing one."""
+    return read_json(run_dir.outcome) if run_dir.outcome.exists() else None
+
+
 def collect(
-    run_dir: RunDir, *, nproc: int, return_all: bool, timeout: float | None, launcher_exit: int | None
+    run_dir: RunDir,
+    outcome: dict[str, Any] | None,
+    *,
+    nproc: int,
+    return_all: bool,
+    timeout: float | None,
+    launcher_exit: int | None,
 ) -> tuple[Any, JobError | None]:
     """(value, None) for a job that succeeded, else (None, the exception to raise)."""
     where = str(run_dir.path)
-    if not run_dir.outcome.exists():
+    if outcome is None:
         how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
         return None, JobFailed(
             f"The nbshard launcher {how} before the job ended, so the ranks were stopped "
@@ -61,7 +72,6 @@ def collect(
             f"{run_dir.launcher_log}.",
             run_dir=where,
         )
-    outcome = read_json(run_dir.outcome)
     status = outcome["status"]
     if status == "succeeded":
         try:
