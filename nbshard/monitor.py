@@ -72,24 +72,49 @@ class _NvmlUsage:
 _nvml = _NvmlUsage()
 
 
+def _imported(name: str) -> Any:
+    """The module ``name`` once its import has finished, else None.
+
+    The job's main thread may be importing torch while this thread samples:
+    a half-initialized module lacks attributes (``torch.cuda``) until then.
+    """
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    if module is None or getattr(spec, "_initializing", False):
+        return None
+    return module
+
+
+def _gpu_memory() -> list[dict[str, Any]]:
+    """Each device's memory, if this process uses CUDA already (never the first to touch it)."""
+    torch, cuda = _imported("torch"), _imported("torch.cuda")
+    if torch is None or cuda is None or not cuda.is_initialized():
+        return []
+    used = _nvml.used(torch)
+    return [
+        {
+            "device": device,
+            "allocated": cuda.memory_allocated(device),
+            "reserved": cuda.memory_reserved(device),
+            "peak_allocated": cuda.max_memory_allocated(device),
+            "used": used.get(device),
+        }
+        for device in range(cuda.device_count())
+    ]
+
+
 def sample_memory() -> dict[str, Any]:
-    """This process's resident memory and, if it uses CUDA already, each device's memory."""
+    """This process's resident memory and, if it uses CUDA already, each device's memory.
+
+    Never raises for the GPU part: whatever goes wrong there (torch half
+    imported, a driver error) means a sample without GPU figures.
+    """
     rss, peak_rss = _resident_bytes()
-    sample: dict[str, Any] = {"rss": rss, "peak_rss": peak_rss, "gpus": []}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # never the first to touch CUDA
-        used = _nvml.used(torch)
-        sample["gpus"] = [
-            {
-                "device": device,
-                "allocated": torch.cuda.memory_allocated(device),
-                "reserved": torch.cuda.memory_reserved(device),
-                "peak_allocated": torch.cuda.max_memory_allocated(device),
-                "used": used.get(device),
-            }
-            for device in range(torch.cuda.device_count())
-        ]
-    return sample
+    try:
+        gpus = _gpu_memory()
+    except Exception:  # noqa: BLE001 - telemetry must never fail or print into the job
+        gpus = []
+    return {"rss": rss, "peak_rss": peak_rss, "gpus": gpus}
 
 
 class Monitor:
@@ -111,17 +136,23 @@ class Monitor:
         with self._lock:
             self._sender.send(message)
 
-    def _sample_until_stopped(self) -> None:
-        self.send({"kind": "sample", **sample_memory()})
-        while not self._stop.wait(self._interval):
+    def send_sample(self) -> None:
+        try:
             self.send({"kind": "sample", **sample_memory()})
+        except Exception:  # noqa: BLE001 - a lost sample is a gap in a plot; the thread goes on
+            pass
+
+    def _sample_until_stopped(self) -> None:
+        self.send_sample()
+        while not self._stop.wait(self._interval):
+            self.send_sample()
 
     def close(self) -> None:
         """Send a last sample (the peaks at the end), then flush for at most LINGER_MS."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-            self.send({"kind": "sample", **sample_memory()})
+            self.send_sample()
         with self._lock:
             self._sender.close()
 

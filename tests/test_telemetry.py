@@ -117,3 +117,30 @@ def test_the_sampler_does_not_import_torch_or_cuda_into_a_rank():
         return sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 
     assert nbshard.run(modules_loaded, nproc=1, sample_interval=0.1) == []
+
+
+def import_torch_while_sampled():
+    import time
+
+    import torch
+
+    time.sleep(0.05)  # a few more samples once torch is whole
+    return torch.__version__
+
+
+def test_the_sampler_survives_a_job_that_imports_torch_under_it():
+    # The job's main thread imports torch while the sampler reads it every 2 ms:
+    # a half-imported torch means a sample without GPU figures, never a dead
+    # thread or a traceback in the job's output.
+    for _ in range(4):
+        handle = nbshard.submit(import_torch_while_sampled, nproc=2, sample_interval=0.002)
+        shown = io.StringIO()
+        handle.watch(shown)
+        handle.result(timeout=60)
+        output = shown.getvalue() + handle.logs()
+        assert "Exception in thread" not in output and "Traceback" not in output, output
+        for rank in (0, 1):
+            times = [r["time"] for r in handle.memory() if r["rank"] == rank]
+            assert len(times) >= 20, f"rank {rank} sent {len(times)} samples"
+            # samples kept coming after the import: the thread lived to the end
+            assert max(times) >= handle.ended - 5 and max(times) > min(times) + 0.5
