@@ -12,19 +12,25 @@ import builtins
 import concurrent.futures
 import dataclasses
 import linecache
+import os
+import re
 import signal
+import sys
+import sysconfig
 from typing import Any
 
 __all__ = [
     "JobCancelled",
     "JobError",
     "JobFailed",
+    "JobInterrupted",
     "JobTimedOut",
     "RankFailure",
     "RemoteError",
     "likely_cause",
     "remote_exception",
     "signal_name",
+    "where_stopped",
 ]
 
 _SIGNAL_CAUSES = {
@@ -76,7 +82,8 @@ class RankFailure:
             raised = f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
             return "\n    ".join([raised, *self.notes])
         if self.stopped:
-            return f"rank {self.rank} was stopped by nbshard"
+            where = where_stopped(self.stacks)
+            return "\n    ".join([f"rank {self.rank} was stopped by nbshard{' at:' if where else ''}", *where])
         if self.signal is not None:
             return f"rank {self.rank} was killed by {self.signal}: {likely_cause(self.signal)}"
         if self.exitcode == 0:
@@ -102,8 +109,96 @@ class RankFailure:
         )
 
 
-def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+# -- where a stopped rank was --------------------------------------------------
+
+MAIN_THREAD_HEADER = "main thread "  # the first line of a rank's stacks file: "main thread 0x..."
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_NBSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _dirs(*keys: str) -> tuple[str, ...]:
+    return tuple({os.path.abspath(path) + os.sep for key in keys if (path := sysconfig.get_paths().get(key))})
+
+
+_STDLIB_DIRS = _dirs("stdlib", "platstdlib")
+_PACKAGE_DIRS = _dirs("purelib", "platlib")
+
+
+def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames in a faulthandler dump, innermost first."""
+    lines = stacks.splitlines()
+    main = lines[0][len(MAIN_THREAD_HEADER):].strip() if lines and lines[0].startswith(MAIN_THREAD_HEADER) else None
+    threads: dict[str, list[tuple[str, int, str]]] = {}
+    frames: list[tuple[str, int, str]] | None = None
+    for line in lines:
+        if (thread := _THREAD.match(line)) is not None:
+            frames = threads.setdefault(thread.group(1), [])
+            if main is None and line.startswith("Current thread"):
+                main = thread.group(1)
+        elif frames is not None and (frame := _FRAME.match(line)) is not None:
+            frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
+    return threads.get(main or "", [])
+
+
+def _is_package(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIRS)
+
+
+def _is_stdlib(filename: str) -> bool:
+    """The standard library; site-packages often lies inside its directory, and is not."""
+    path = os.path.abspath(filename)
+    return filename.startswith("<frozen") or (path.startswith(_STDLIB_DIRS) and not _is_package(path))
+
+
+def _is_library(filename: str) -> bool:
+    return _is_stdlib(filename) or _is_package(filename)
+
+
+def source_label(filename: str, lineno: int) -> str:
+    """A frame's place as IPython names it: ``Cell In[5], line 3`` for a notebook cell."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    format_code_name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    named = format_code_name(filename) if format_code_name is not None else None
+    if named:
+        return f"{named[0]} {named[1]}, line {lineno}"
+    return f'File "{filename}", line {lineno}'
+
+
+def where_stopped(stacks: str, limit: int = 3) -> list[str]:
+    """Where a rank's main thread was, in a few lines: its innermost frames of user code
+    (a cell as ``Cell In[N], line L``) and the installed package it was inside (a
+    collective in torch), nothing of nbshard or the standard library (threading, runpy).
+    Empty when the dump shows no such frame."""
+    frames = [f for f in _main_thread_frames(stacks) if not f[0].startswith(_NBSHARD_DIR + os.sep)]
+    user = [f for f in frames if not _is_library(f[0])][:limit]
+    lines = []
+    for filename, lineno, name in reversed(user):
+        lines.append(f"{source_label(filename, lineno)}, in {name}")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    if frames and frames[0] not in user and not _is_stdlib(frames[0][0]):  # e.g. inside torch's barrier
+        filename, lineno, name = frames[0]
+        lines.append(f"  inside {name} ({filename}, line {lineno})")
+    return lines
+
+
+def _red(name: str) -> str:
+    return f"\x1b[0;31m{name}\x1b[0m"
+
+
+def _ipython_traceback(error: BaseException) -> list[str]:
+    """``error``'s traceback as IPython formats one raised in a cell (colours, cell names)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or error.__traceback__ is None:
+        return []
+    try:
+        return list(shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__))
+    except Exception:  # noqa: BLE001 - an IPython that formats differently: the summary still shows
+        return []
 
 
 class JobError(Exception):
@@ -120,17 +215,21 @@ class JobError(Exception):
         super().__init__(summary, self.failures, run_dir)
 
     def __str__(self) -> str:
-        lines = [self.summary]
-        for failure in self.failures:
-            lines.append("  " + failure.describe())
-            if failure.stacks:
-                lines.append(f"  Its stacks when it was stopped:\n{_indent(failure.stacks, '    ')}")
+        lines = [self.summary, *("  " + failure.describe() for failure in self.failures)]
         if self.run_dir:
-            lines.append(f"Each rank's full log is in {self.run_dir} (handle.logs(rank)).")
+            stacks = ", its stacks at the end," if any(f.stacks for f in self.failures) else ""
+            lines.append(f"Each rank's full log{stacks} is in {self.run_dir} (handle.logs(rank)).")
         return "\n".join(lines)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.summary, self.failures, self.run_dir))
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the root cause's traceback as if the cell had failed
+        locally, then this summary; none of nbshard's own frames (they only waited)."""
+        cause = self.__cause__
+        shown = _ipython_traceback(cause) if cause is not None else []
+        return [*shown, *([""] if shown else []), f"{_red(type(self).__name__)}: {self}"]
 
 
 class JobFailed(JobError):
@@ -146,6 +245,21 @@ class JobCancelled(JobError, concurrent.futures.CancelledError):
 
     Also a ``concurrent.futures.CancelledError``, as a cancelled future's result raises.
     """
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """An interrupt (Ctrl-C, the notebook's stop button) stopped the job being waited for.
+
+    A ``KeyboardInterrupt``, so the interrupt still ends the cell or script;
+    ``cancelled`` is the job's ``JobCancelled``, with where each rank was.
+    """
+
+    def __init__(self, cancelled: JobError | None) -> None:
+        self.cancelled = cancelled
+        super().__init__(str(cancelled) if cancelled is not None else "interrupted")
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{_red('KeyboardInterrupt')}: {self}"]
 
 
 class RemoteError(Exception):
@@ -194,9 +308,14 @@ def _traceback_entry(frame: dict[str, Any]) -> Any:
         end_colno = max(len(line), colno + 3)
     call = "_(" + " " * (end_colno - colno - 3) + ")"
     text = call if colno == 0 else "(" + " " * (colno - 1) + call + ")"
-    code = compile("\n" * (lineno - 1) + text, filename, "exec")
+    # Line numbers count from the function's first line, as in the real code object,
+    # so tools that show the whole function (IPython, inspect) find it in linecache.
+    first = min(max(int(frame.get("firstlineno") or 1), 1), lineno)
+    code = compile("\n" * (lineno - first) + text, filename, "exec")
     name = str(frame["name"])
-    code = code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+    code = code.replace(
+        co_name=name, co_firstlineno=first, **({"co_qualname": name} if hasattr(code, "co_qualname") else {})
+    )
     try:
         exec(code, {"_": _raise_marker})
     except _Marker as marker:

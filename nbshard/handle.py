@@ -17,7 +17,7 @@ from typing import Any
 from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
-from nbshard.errors import JobCancelled, JobError, JobTimedOut
+from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.job import Job, RunDir
 from nbshard.outcome import collect, read_outcome
 from nbshard.telemetry import Telemetry, to_frame
@@ -131,6 +131,12 @@ class JobHandle:
         path = self._paths.log(rank)
         return path.read_bytes().decode(errors="replace") if path.exists() else ""
 
+    def stacks(self) -> dict[int, str]:
+        """Each stopped rank's Python stacks (every thread), taken just before it was stopped
+        by a cancel, an interrupt or a timeout; the cell shows only where each rank was."""
+        failures = self._exception.failures if self._exception is not None else ()
+        return {failure.rank: failure.stacks for failure in failures if failure.stacks}
+
     # -- live output -------------------------------------------------------
 
     def watch(self, out: Any = None) -> None:
@@ -140,7 +146,8 @@ class JobHandle:
         the output and updates in place; elsewhere the memory is printed now
         and then, and the peaks at the end. An interrupt (Ctrl-C, the notebook's
         stop button) cancels the job, shows the ranks' stacks, and re-raises
-        once every rank is gone.
+        once every rank is gone as a short ``JobInterrupted`` (a KeyboardInterrupt)
+        that says where each rank was.
         """
         out = out or sys.stdout
         printer = LinePrinter(self.job.show_ranks)
@@ -166,7 +173,7 @@ class JobHandle:
             except KeyboardInterrupt:
                 self.kill()
                 self._done.wait()
-            raise
+            raise JobInterrupted(self._exception) from None
         finally:
             self._watching = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True))

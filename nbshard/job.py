@@ -173,6 +173,10 @@ class RunDir:
     def log(self, rank: int) -> Path:
         return self.path / f"rank-{rank}.log"
 
+    def stacks(self, rank: int) -> Path:
+        """Where a rank's faulthandler writes its threads' stacks when the launcher asks."""
+        return self.path / f"stacks-{rank}.txt"
+
     def result(self, rank: int) -> Path:
         return self.path / f"result-{rank}.pkl"
 

@@ -65,7 +65,7 @@ class Rank:
         self.ended_at = 0.0
         self.ok = False
         self.stopped = False
-        self.stack_capture: list[str] | None = None
+        self.stacks_asked = False
         self.stacks = ""
 
     @property
@@ -158,10 +158,7 @@ class Launcher:
         else:
             self.selector.unregister(fd)
             proc.open_fds.discard(fd)
-        splitter = proc.splitters[fd]
-        if proc.stack_capture is not None and splitter.stream == "err":
-            proc.stack_capture.append(data.decode("utf-8", "replace"))
-        self.send_lines(proc.rank, splitter.feed(data, now))
+        self.send_lines(proc.rank, proc.splitters[fd].feed(data, now))
 
     def send_open_lines(self, now: float) -> None:
         for proc in self.ranks:
@@ -195,7 +192,7 @@ class Launcher:
         if stacks and self.term_at == float("inf"):
             for proc in self.ranks:
                 if proc.running:
-                    proc.stack_capture = []
+                    proc.stacks_asked = True
                     proc.signal(signal.SIGUSR1)
             self.term_at = now + STACK_DUMP_WAIT
         else:
@@ -205,14 +202,22 @@ class Launcher:
     def advance_stop(self, now: float) -> None:
         if now >= self.term_at:
             for proc in self.ranks:
-                if proc.stack_capture is not None:
-                    proc.stacks, proc.stack_capture = "".join(proc.stack_capture), None
+                if proc.stacks_asked and not proc.stacks:
+                    self.keep_stacks(proc)
                 if proc.running and not proc.stopped:
                     proc.stopped = True
                     proc.signal(signal.SIGTERM)
         if now >= self.kill_at:
             for proc in self.ranks:
                 proc.signal(signal.SIGKILL)
+
+    def keep_stacks(self, proc: Rank) -> None:
+        """The stacks the rank dumped on request: for the outcome, and at the end of its log."""
+        with contextlib.suppress(OSError):
+            dump = self.run_dir.stacks(proc.rank).read_text(errors="replace")
+            if "\n" in dump.rstrip():  # more than the header: the rank answered
+                proc.stacks = dump
+                proc.log.write(f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
 
     def read_kernel_input(self, fd: int) -> None:
         data = os.read(fd, 64)

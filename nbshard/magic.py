@@ -82,6 +82,18 @@ def _check_plain_python(shell: Any, body: str) -> None:
     )
 
 
+def _shown_execution_count(shell: Any) -> int:
+    """The number the notebook shows for the running cell (``In [N]``).
+
+    IPython 9 counts up before it runs a cell and IPython 8 after, so the
+    shell's counter is off by one in one of them; the running cell's result
+    holds the number that was shown.
+    """
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if isinstance(count, int) else shell.execution_count
+
+
 @magics_class
 class ShardMagics(Magics):
     @magic_arguments()
@@ -144,7 +156,7 @@ class ShardMagics(Magics):
         values = {n: user_ns[n] for n in present if n not in modules}
         # Registered in the kernel's linecache, so a rank's traceback shows the cell's
         # lines; the blank first line stands for the %%shard_train line.
-        filename = self.shell.compile.cache("\n" + cell, self.shell.execution_count)
+        filename = self.shell.compile.cache("\n" + cell, _shown_execution_count(self.shell))
         try:
             return Job(
                 run_cell,

@@ -16,6 +16,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard import monitor
+from nbshard.errors import MAIN_THREAD_HEADER
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RunDir
 
@@ -39,6 +41,19 @@ def _die_with_launcher() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if launcher and os.getppid() != launcher:  # it died before prctl took effect
         os._exit(1)
+
+
+def _dump_stacks_on_request(path: Path) -> None:
+    """On SIGUSR1 (the launcher stopping the job), write every thread's stack to ``path``.
+
+    faulthandler writes from its C signal handler, so a rank stuck in a
+    collective or in C code still answers. The stacks go to a file of their
+    own, not to stderr: the cell shows a short summary, the log the whole dump.
+    """
+    stacks = open(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
+    stacks.write(f"{MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
+    stacks.flush()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
 
 def _use_kernel_path(kernel_path: list[str]) -> None:
@@ -89,8 +104,12 @@ def _install_notebook_main(objects: dict[str, Any], path: Path) -> None:
 
 def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
     frames = []
-    for frame in traceback.extract_tb(tb):
-        entry: dict[str, Any] = {"filename": frame.filename, "lineno": frame.lineno, "name": frame.name}
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(tb)]
+    for frame, code in zip(traceback.extract_tb(tb), codes):
+        entry: dict[str, Any] = {
+            "filename": frame.filename, "lineno": frame.lineno, "name": frame.name,
+            "firstlineno": code.co_firstlineno,  # where its function starts, for tracebacks that show it whole
+        }
         if getattr(frame, "end_lineno", None) == frame.lineno and frame.colno is not None:
             entry.update(colno=frame.colno, end_colno=frame.end_colno)
         frames.append(entry)
@@ -184,7 +203,7 @@ def main(run_dir: str) -> int:
     paths = RunDir(Path(run_dir))
     rank = int(os.environ["RANK"])
     _die_with_launcher()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks
+    _dump_stacks_on_request(paths.stacks(rank))
     try:
         return _run(paths, rank)
     finally:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -74,8 +76,16 @@ def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     assert not left, f"processes left behind by this test: {left}"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Script:
-    """A Python program playing the kernel: it imports nbshard and runs jobs."""
+    """A Python program playing the kernel: it imports nbshard and runs jobs.
+
+    A thread reads its output into a queue, so nothing read ahead is ever lost
+    between waiting for a line and waiting for the end.
+    """
 
     def __init__(self, tmp_path: Path, source: str) -> None:
         path = tmp_path / "kernel_script.py"
@@ -84,31 +94,51 @@ class Script:
         self.process = subprocess.Popen(
             [sys.executable, str(path)], cwd=tmp_path, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # A shell runs background jobs with SIGINT ignored, and Python then installs no
+            # KeyboardInterrupt handler: give the script the interrupt a terminal would.
+            preexec_fn=_default_sigint,
         )
         self.output: list[str] = []  # every line read so far
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _next_line(self, deadline: float) -> str | None:
+        """The next line, or None at the end of output; AssertionError past ``deadline``."""
+        try:
+            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise AssertionError(f"no more output within the time allowed; so far:\n{''.join(self.output)}") from None
+        if line is not None:
+            self.output.append(line)
+        return line
 
     def wait_for(self, marker: str, timeout: float = 60) -> str:
         """Read output until a line contains ``marker``; returns that line."""
         deadline = time.monotonic() + timeout
-        assert self.process.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
+        while (line := self._next_line(deadline)) is not None:
             if marker in line:
                 return line
-        raise AssertionError(f"{marker!r} not printed within {timeout} s; output:\n{''.join(self.output)}")
+        raise AssertionError(f"{marker!r} was never printed; output:\n{''.join(self.output)}")
 
     def finish(self, timeout: float = 60) -> tuple[int, str]:
         """Wait for the exit; returns the exit code and the whole output."""
-        rest, _ = self.process.communicate(timeout=timeout)
-        return self.process.returncode, "".join(self.output) + rest
+        deadline = time.monotonic() + timeout
+        while self._next_line(deadline) is not None:
+            pass
+        return self.process.wait(max(deadline - time.monotonic(), 1.0)), "".join(self.output)
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
-        self.process.communicate()
+        self.process.wait()
+        self._reader.join(timeout=5)
 
 
 @pytest.fixture

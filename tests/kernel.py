@@ -25,6 +25,14 @@ class CellResult:
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def execution_count(self) -> int | None:
+        """The number the notebook shows for this cell (``In [N]``)."""
+        for message in self.messages:
+            if message["msg_type"] == "execute_input":
+                return message["content"]["execution_count"]
+        return None
+
+    @property
     def traceback(self) -> str:
         """The error as the notebook shows it, without colours."""
         return ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
@@ -80,6 +88,28 @@ class Kernel:
             if reply["parent_header"].get("msg_id") == msg_id:
                 result.reply = reply["content"]
                 return result
+
+    @staticmethod
+    def assert_reads_as_a_local_error(result: CellResult) -> None:
+        """The cell's error shows the rank's traceback and nbshard's summary, with none of
+        nbshard's frames and no escaped ``run_cell_magic`` call around them."""
+        text = result.traceback
+        for plumbing in ("nbshard/", "run_cell_magic", "get_ipython()", "The above exception was the direct cause"):
+            assert plumbing not in text, text
+
+    def assert_short_interrupt(self, result: CellResult, where: str, ranks: int = 2) -> None:
+        """The interrupt ended the cell with a few lines saying where each rank was, in the
+        user's terms, and none of nbshard's plumbing: no stack dumps, no nbshard frames."""
+        assert result.error is not None and result.error["ename"] == "JobInterrupted", result.error
+        text = result.traceback
+        assert text.startswith("KeyboardInterrupt: "), text
+        for rank in range(ranks):
+            assert f"rank {rank} was stopped by nbshard at:" in text, text
+        assert text.count(where) == ranks, text
+        shown = result.stdout + result.stderr + text
+        for plumbing in ("Thread 0x", "Current thread", "threading.py", "runpy", "worker.py", "handle.py", "client.py"):
+            assert plumbing not in shown, shown
+        assert len(text.splitlines()) <= 4 * ranks + 3, text
 
     def shutdown(self) -> None:
         self.client.stop_channels()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import linecache
+import os
 import pickle
+import sysconfig
 import traceback
 
 import pytest
@@ -81,3 +83,37 @@ def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
     assert "/runs/x" in lines[3]
     copy = pickle.loads(pickle.dumps(error))
     assert str(copy) == str(error)
+
+
+def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache):
+    import nbshard.worker
+    from nbshard.errors import where_stopped
+
+    worker, threading_py = nbshard.worker.__file__, threading_file()
+    torch_file = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")
+    stacks = (
+        "main thread 0x00007f00000000aa\n"
+        "Thread 0x00007f00000000bb (most recent call first):\n"
+        f'  File "{threading_py}", line 331 in wait\n'
+        '  File "/x/nbshard/monitor.py", line 147 in _sample_until_stopped\n'
+        "\n"
+        "Current thread 0x00007f00000000aa (most recent call first):\n"
+        f'  File "{torch_file}", line 4000 in barrier\n'
+        f'  File "{CELL}", line 2 in train\n'
+        f'  File "{worker}", line 153 in _run\n'
+        '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
+    )
+    assert where_stopped(stacks) == [
+        f'File "{CELL}", line 2, in train',  # a cell once IPython names it (tested in a real kernel)
+        "    loss = compute(cfg)",
+        f"  inside barrier ({torch_file}, line 4000)",
+    ]
+    in_threading = stacks.replace(torch_file, threading_py).replace("in barrier", "in wait")
+    assert where_stopped(in_threading) == where_stopped(stacks)[:2]  # the standard library is not the user's
+    assert where_stopped("main thread 0x1\n") == []  # a rank that never answered
+
+
+def threading_file():
+    import threading
+
+    return threading.__file__

@@ -44,7 +44,7 @@ def test_output_of_every_rank_appears_in_the_cell_in_few_messages(kernel):
 
 
 def test_a_failing_rank_shows_the_cells_source_in_the_notebook_traceback(kernel):
-    kernel.execute(DEFINE_TRAIN)
+    defined = kernel.execute(DEFINE_TRAIN)
     started = time.monotonic()
     result = kernel.execute("nbshard.run(train, 3, kwargs={'fail': True}, nproc=2)")
     assert result.status == "error" and result.error["ename"] == "JobFailed"
@@ -53,12 +53,16 @@ def test_a_failing_rank_shows_the_cells_source_in_the_notebook_traceback(kernel)
     assert "helper(rank)" in text
     assert "ValueError: loss is nan on rank 1" in text
     assert text.index("ValueError: loss is nan") < text.index("JobFailed: The job failed on rank 1.")
+    # named as the notebook names the cell that defined them, and nothing of nbshard around it
+    assert f"Cell In[{defined.execution_count}], line 5, in helper" in text  # IPython drops the leading blank line
+    assert f"Cell In[{defined.execution_count}], line 13, in train" in text
+    kernel.assert_reads_as_a_local_error(result)
     assert time.monotonic() - started < 60
     assert kernel.execute("print(nbshard.run(lambda: 'again', nproc=1))").stdout.strip() == "again"
 
 
 def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel, runs_dir):
-    kernel.execute(
+    defined = kernel.execute(
         "import nbshard\n"
         "def forever():\n"
         "    import time\n"
@@ -71,9 +75,11 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel
     kernel.manager.interrupt_kernel()
     interrupted_at = time.monotonic()
     result = kernel.collect(msg_id)
-    assert result.error["ename"] == "KeyboardInterrupt"
     assert not wait_until_gone(run_dir, within=max(0.0, 5 - (time.monotonic() - interrupted_at)))
-    assert "Thread 0x" in result.stdout or "Current thread" in result.stdout  # stacks shown before the kill
+    kernel.assert_short_interrupt(result, f"Cell In[{defined.execution_count}], line 5, in forever")
+    assert "while True: time.sleep(0.1)" in result.traceback
+    for rank in (0, 1):  # the full dumps stay in the logs
+        assert "Current thread" in (run_dir / f"rank-{rank}.log").read_text()
     assert kernel.execute("print(nbshard.run(lambda: 'next', nproc=2))").stdout.strip() == "next"
 
 

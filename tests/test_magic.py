@@ -113,7 +113,10 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
     assert result.status == "error" and result.error["ename"] == "JobFailed"
     text = result.traceback
     assert "raise ValueError(f'rank {value} diverged')" in text and "check(rank)" in text
-    assert "line 4" in text  # numbered as the notebook shows the cell, %%shard_train being line 1
+    # numbered as the notebook shows the cell, %%shard_train being line 1
+    assert f"Cell In[{result.execution_count}], line 4, in check" in text
+    assert f"Cell In[{result.execution_count}], line 5" in text
+    notebook.assert_reads_as_a_local_error(result)
     assert "ValueError: rank 1 diverged" in text
 
 
@@ -182,12 +185,13 @@ def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):
 
 def test_interrupt_stops_the_cell_and_the_next_cell_runs(notebook, runs_dir):
     msg_id = notebook.submit("%%shard_train --nproc 2\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
-    notebook.collect(msg_id, until="[rank1]: working")
+    started = notebook.collect(msg_id, until="[rank1]: working")
     run_dir = next(runs_dir.iterdir())
     notebook.manager.interrupt_kernel()
     interrupted_at = time.monotonic()
-    assert notebook.collect(msg_id).error["ename"] == "KeyboardInterrupt"
+    result = notebook.collect(msg_id)
     assert not wait_until_gone(run_dir, within=max(0.0, 5 - (time.monotonic() - interrupted_at)))
+    notebook.assert_short_interrupt(result, f"Cell In[{started.execution_count}], line 4, in <module>")
     after = notebook.execute("%%shard_train --nproc 2 --pull ok\nok = True")
     assert after.status == "ok", after.stderr + after.traceback
 
