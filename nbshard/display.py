@@ -34,71 +34,97 @@ def rank_prefix(rank: int) -> str:
     return f"[rank{rank}]: "
 
 
-class LinePrinter:
-    """Interleaves the ranks' lines, prefixed, keeping a progress bar on one line.
+def _blank(text: str) -> bool:
+    return not text.strip()
 
-    An *open* line (one a rank keeps rewriting with ``\\r``) is written without
-    its newline and rewritten in place while it is the last thing shown.
+
+class LinePrinter:
+    """Interleaves the ranks' lines, prefixed, as a terminal shows them.
+
+    An *open* line (one a rank keeps rewriting with ``\\r``, a progress bar)
+    lives on the bottom line and is rewritten there in place; finished lines
+    of any rank or stream are written above it, and it is drawn again below
+    them, so a bar on stderr and logs on stdout read as in a terminal: the
+    logs, then one live bar. A cleared bar (blank) is not shown at all.
     """
 
     def __init__(self, show_ranks: Sequence[int] | None = None) -> None:
         self.show_ranks = None if show_ranks is None else frozenset(show_ranks)
-        self._open: tuple[Any, int] | None = None  # (rank, stream), width shown
+        self._open: dict[tuple[int, str], str] = {}  # (rank, stream) -> its open line, newest last
+        self._bottom: int | None = None  # width of the unfinished bottom line, when there is one
 
     def shows(self, rank: int) -> bool:
         return self.show_ranks is None or rank in self.show_ranks
 
+    def _write_bottom(self, text: str) -> str:
+        """Rewrite the unfinished bottom line with ``text`` (padded over a longer old one)."""
+        lead = "\r" + text.ljust(self._bottom) if self._bottom is not None else text
+        self._bottom = len(text)
+        return lead
+
+    def _finish(self, text: str) -> str:
+        """``text`` as a finished line, then the newest open line drawn below it again."""
+        out = self._write_bottom(text) + "\n"
+        self._bottom = None
+        if self._open:
+            out += self._write_bottom(next(reversed(self._open.values())))
+        return out
+
     def line(self, rank: int, stream: str, text: str, is_open: bool) -> str:
         if not self.shows(rank):
             return ""
-        shown = rank_prefix(rank) + text
-        lead = ""
-        if self._open is not None:
-            key, width = self._open
-            self._open = None
-            if key == (rank, stream):
-                lead = "\r"
-                shown = shown.ljust(width)  # a terminal would keep the tail of a longer old text
-            else:
-                lead = "\n"
-        if is_open:
-            self._open = ((rank, stream), len(shown))
-            return lead + shown
-        return lead + shown + "\n"
+        key, shown = (rank, stream), rank_prefix(rank) + text
+        self._open.pop(key, None)
+        if not is_open:
+            return self._finish(shown)
+        if _blank(text):  # the bar was cleared (tqdm does so to print above it)
+            return self._write_bottom(next(reversed(self._open.values()), "")) if self._bottom is not None else ""
+        self._open[key] = shown
+        return self._write_bottom(shown)
 
     def note(self, text: str) -> str:
-        return self.close() + f"[nbshard]: {text}\n"
+        return self._finish(f"[nbshard]: {text}")
 
     def close(self) -> str:
-        """End an open line, if one is shown."""
-        if self._open is None:
+        """End the open line, if one is shown."""
+        self._open.clear()
+        if self._bottom is None:
             return ""
-        self._open = None
+        self._bottom = None
         return "\n"
 
 
 class TailView:
-    """The newest lines of a run, as a notebook view shows them: a progress bar is one line."""
+    """The newest lines of a run, as a notebook view shows them: finished lines, then each
+    rank's live progress bar as one line below them (a cleared bar is not shown)."""
 
-    def __init__(self, show_ranks: Sequence[int] | None = None, max_lines: int = 30) -> None:
+    def __init__(self, show_ranks: Sequence[int] | None = None, max_lines: int = 20) -> None:
         self.show_ranks = None if show_ranks is None else frozenset(show_ranks)
-        self._lines: collections.deque[list[Any]] = collections.deque(maxlen=max_lines)  # [key, text, open]
+        self.max_lines = max_lines
+        self._finished: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self._open: dict[tuple[int, str], str] = {}
 
     def line(self, rank: int, stream: str, text: str, is_open: bool) -> None:
         if self.show_ranks is not None and rank not in self.show_ranks:
             return
-        key = (rank, stream)
-        for entry in reversed(self._lines):
-            if entry[0] == key and entry[2]:  # this rank's unfinished line: rewrite it
-                entry[1:] = [rank_prefix(rank) + text, is_open]
-                return
-        self._lines.append([key, rank_prefix(rank) + text, is_open])
+        key, shown = (rank, stream), rank_prefix(rank) + text
+        self._open.pop(key, None)
+        if not is_open:
+            self._finished.append(shown)
+        elif not _blank(text):
+            self._open[key] = shown
 
     def note(self, text: str) -> None:
-        self._lines.append([None, f"[nbshard]: {text}", False])
+        self._finished.append(f"[nbshard]: {text}")
+
+    def lines(self) -> list[str]:
+        """The newest lines, oldest first; the live bars last."""
+        live = list(self._open.values())[-self.max_lines:]
+        room = self.max_lines - len(live)
+        return [*(list(self._finished)[-room:] if room else []), *live]
 
     def render(self) -> str:
-        return "\n".join(text for _, text, _ in self._lines)
+        return "\n".join(self.lines())
 
 
 @dataclasses.dataclass
@@ -166,7 +192,9 @@ def render_html(title: str, ranks: Sequence[RankView], tail: str = "") -> str:
         "</tr>"
         for view in ranks
     )
-    pre = f'<pre style="margin:4px 0;max-height:24em;overflow:auto">{html.escape(tail)}</pre>' if tail else ""
+    # No scroll box: a box re-rendered on each update would jump back to its top and steal the
+    # reader's place. The tail holds only the newest lines, so the newest is always in view.
+    pre = f'<pre style="margin:4px 0;white-space:pre-wrap;overflow-wrap:anywhere">{html.escape(tail)}</pre>' if tail else ""
     return (
         f'<div class="nbshard-job"><div><b>{html.escape(title)}</b></div>'
         f'<table style="border-collapse:collapse;font-size:90%"><tr>{header}</tr>{rows}</table>{pre}</div>'

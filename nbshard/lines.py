@@ -34,6 +34,8 @@ class LineSplitter:
     def feed(self, data: bytes, now: float) -> list[list[Any]]:
         text = self._partial + self._decoder.decode(data, final=not data)
         *finished, partial = text.split("\n")
+        if "\r" in partial:  # a progress bar: keep what a terminal shows, however often it is redrawn
+            partial = "\r" + _visible(partial) + ("\r" if partial.endswith("\r") else "")
         if finished or partial != self._partial:
             self._partial, self._partial_since = partial, now
         if not data and self._partial:  # end of stream: an unterminated last line

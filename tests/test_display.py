@@ -10,8 +10,15 @@ from nbshard.lines import LineSplitter
 
 
 def render(text: str) -> list[str]:
-    """What a terminal (or Jupyter's stream output) shows: \r rewrites the current line."""
-    return [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n") if line]
+    """What Jupyter's stream output (and a terminal) shows: ``\\r`` returns to the start of the
+    line and what follows overwrites it, keeping the tail of a longer old text."""
+    shown = []
+    for line in text.replace("\r\n", "\n").split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        shown.append(screen.rstrip())
+    return [line for line in shown if line]
 
 
 def test_finished_lines_are_prefixed_like_torchrun():
@@ -26,11 +33,28 @@ def test_a_progress_bar_stays_on_one_line():
     assert render(out) == ["[rank0]: 100%|##########| done"]
 
 
-def test_another_rank_ends_the_open_line_instead_of_overwriting_it():
+def test_finished_lines_go_above_the_live_bar_which_stays_one_line():
     printer = LinePrinter()
     out = printer.line(0, "err", "50%", True) + printer.line(1, "out", "hello", False)
+    out += printer.line(0, "err", "60%", True)
     out += printer.note("stopping") + printer.close()
-    assert render(out) == ["[rank0]: 50%", "[rank1]: hello", "[nbshard]: stopping"]
+    assert render(out) == ["[rank1]: hello", "[nbshard]: stopping", "[rank0]: 60%"]
+
+
+def test_a_trainer_bar_on_stderr_with_logs_on_stdout_reads_as_in_a_terminal():
+    # What a Hugging Face Trainer writes: a tqdm bar on stderr, which tqdm clears (a blank
+    # rewrite) before each log line on stdout and draws again after it.
+    printer, out = LinePrinter(), ""
+    for step in range(1, 4):
+        out += printer.line(0, "err", f"{step * 10}%|{'#' * step}| {step}/10 [00:0{step}<00:10, 1.00it/s]", True)
+        out += printer.line(0, "err", " " * 40, True)  # tqdm clears the bar
+        out += printer.line(0, "out", f"{{'loss': {1 / step:.2f}}}", False)
+    out += printer.line(0, "err", "100%|##########| 10/10 [00:10<00:00, 1.00it/s]", True)
+    out += printer.close()
+    assert render(out) == [
+        "[rank0]: {'loss': 1.00}", "[rank0]: {'loss': 0.50}", "[rank0]: {'loss': 0.33}",
+        "[rank0]: 100%|##########| 10/10 [00:10<00:00, 1.00it/s]",
+    ]
 
 
 def test_show_ranks_filters_live_output():
@@ -65,14 +89,27 @@ def test_pick_port_avoids_a_taken_port():
     assert pick_port(None) > 0
 
 
-def test_tail_view_keeps_the_newest_lines_with_a_progress_bar_as_one_line():
+def test_splitter_keeps_a_bar_redrawn_any_number_of_times_as_one_bounded_line():
+    splitter = LineSplitter("err")
+    for chunk in range(200):  # 200,000 redraws, 5.6 MB, in pipe-sized reads
+        data = "".join(f"\r{i:>6}/200000 |" for i in range(chunk * 1000, (chunk + 1) * 1000)).encode()
+        assert splitter.feed(data, 1.0) == []  # never cut into pieces
+    assert len(splitter._partial) < 100  # only what a terminal shows is kept
+    assert splitter.open_line(2.0) == [2.0, "err", "199999/200000 |", True]
+    assert splitter.feed(b"\n", 3.0) == [[3.0, "err", "199999/200000 |", False]]
+
+
+def test_tail_view_keeps_the_newest_lines_and_live_bars_below_them():
     view = TailView(show_ranks=[0, 1], max_lines=3)
     view.line(0, "out", "first", False)
     view.line(0, "err", "10%", True)
     view.line(1, "out", "from rank 1", False)
     view.line(0, "err", "90%", True)  # rewrites rank 0's open line in place
     view.line(2, "out", "hidden", False)
-    assert view.render().splitlines() == ["[rank0]: first", "[rank0]: 90%", "[rank1]: from rank 1"]
+    assert view.lines() == ["[rank0]: first", "[rank1]: from rank 1", "[rank0]: 90%"]
+    view.line(0, "err", "   ", True)  # cleared: not shown
+    view.line(0, "out", "logged", False)
+    assert view.lines() == ["[rank0]: first", "[rank1]: from rank 1", "[rank0]: logged"]
     view.line(0, "err", "100% done", False)
     view.note("finished")
-    assert view.render().splitlines() == ["[rank0]: 100% done", "[rank1]: from rank 1", "[nbshard]: finished"]
+    assert view.lines() == ["[rank0]: logged", "[rank0]: 100% done", "[nbshard]: finished"]
