@@ -140,10 +140,25 @@ def free_names(source: str) -> set[str]:
     return _block_reads(ast.parse(source).body, set()) - set(dir(builtins))
 
 
+def _pickled_each(namespace: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Each pulled name pickled on its own, so one that cannot travel costs only itself:
+    ``{"values": {name: bytes}, "failed": {name: why}}``."""
+    from nbshard.pickling import dump_result
+
+    pulled: dict[str, Any] = {"values": {}, "failed": {}}
+    for name in names:
+        try:
+            pulled["values"][name] = dump_result(namespace[name], path=f"the pulled {name!r}")
+        except TypeError as error:
+            pulled["failed"][name] = str(error)
+    return pulled
+
+
 def run_cell(
     source: str, filename: str, values: dict[str, Any], modules: dict[str, str], pull: list[str], pull_all: bool
 ) -> dict[str, Any] | None:
-    """Run a cell's source in this rank's fresh ``__main__``; return the pulled names.
+    """Run a cell's source in this rank's fresh ``__main__``; return the pulled names
+    (each pickled on its own, see ``_pickled_each``).
 
     ``modules`` maps names to module names imported here; ``values`` are the
     notebook objects shipped by value. ``rank`` and ``world_size`` are at hand.
@@ -161,5 +176,5 @@ def run_cell(
             "in this rank. Assign every pulled name in every rank (None is fine), or pull fewer names."
         )
     if namespace["rank"] == 0 or pull_all:
-        return {name: namespace[name] for name in pull}
+        return _pickled_each(namespace, pull)
     return None

@@ -9,6 +9,7 @@ names back. Works like ipyparallel's ``%%px``, on torchrun-style processes.
 from __future__ import annotations
 
 import ast
+import pickle
 import types
 from typing import Any
 
@@ -22,7 +23,7 @@ from nbshard.handle import JobHandle
 from nbshard.job import Job
 from nbshard.pickling import describe_unpicklable, find_unpicklable
 
-__all__ = ["ShardMagics", "load_ipython_extension"]
+__all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
 
 # Names IPython keeps in the user namespace for itself; never shipped.
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
@@ -135,14 +136,18 @@ class ShardMagics(Magics):
             raise unshippable from error
         if args.noblock:
             shell.user_ns[args.noblock] = handle
-            handle.add_done_callback(lambda done: self._bind_pulled(done, pull, args.pull_all))
+            handle.add_done_callback(lambda done: done.notes.extend(
+                f"could not pull {reason}" for reason in self._bind_pulled(done, pull, args.pull_all)
+            ))
             handle.show_live()
             return
         handle.watch()
         exception = handle.exception()
         if exception is not None:
             raise exception.with_traceback(None)  # the cause holds the rank's traceback
-        self._bind_pulled(handle, pull, args.pull_all)
+        reasons = self._bind_pulled(handle, pull, args.pull_all)
+        if reasons:
+            raise _pull_failed(reasons, bound_any=len(reasons) < len(pull))
 
     def _job(self, args: Any, cell: str, pull: list[str]) -> Job:
         user_ns = self.shell.user_ns
@@ -179,16 +184,47 @@ class ShardMagics(Magics):
                 return UsageError(describe_unpicklable(found, f"Cannot ship the notebook's {name!r} to the ranks"))
         return None
 
-    def _bind_pulled(self, handle: JobHandle, pull: list[str], pull_all: bool) -> None:
-        """Assign the pulled names in the notebook, if the job succeeded."""
-        if handle.exception() is not None:
-            return
-        result = handle.result()
-        user_ns = self.shell.user_ns
-        for name in pull:
-            user_ns[name] = [each[name] for each in result] if pull_all else result[name]
-        if pull:
-            handle.notes.append(f"pulled {', '.join(pull)} into the notebook")
+    def _bind_pulled(self, handle: JobHandle, pull: list[str], pull_all: bool) -> list[str]:
+        """Assign every pulled name that arrived whole in the notebook (if the job succeeded);
+        returns why each of the others could not be pulled."""
+        if handle.exception() is not None or not pull:
+            return []
+        ranks = handle.result() if pull_all else [handle.result()]
+        loaded: dict[str, list[Any]] = {name: [] for name in pull}
+        failed: dict[str, str] = {}
+        for rank, pulled in enumerate(ranks):
+            for name, why in pulled["failed"].items():
+                failed.setdefault(name, f"{why} (rank {rank})" if pull_all else why)
+            for name, data in pulled["values"].items():
+                try:
+                    loaded[name].append(pickle.loads(data))
+                except Exception as error:  # noqa: BLE001 - reported with the others
+                    failed.setdefault(name, (
+                        f"the pulled {name!r} arrived but cannot be loaded in the notebook: {error!r}. "
+                        "Likely cause: it refers to a module or class the kernel cannot import. "
+                        "Pull plain data (state_dict(), tensors, numbers) or import that module here."
+                    ))
+        bound = [name for name in pull if name not in failed]
+        for name in bound:
+            self.shell.user_ns[name] = loaded[name] if pull_all else loaded[name][0]
+        if bound:
+            handle.notes.append(f"pulled {', '.join(bound)} into the notebook")
+        return [f"{name}: {failed[name]}" for name in pull if name in failed]
+
+
+class PullFailed(Exception):
+    """Some ``--pull`` names could not be brought back; the others were bound."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+def _pull_failed(reasons: list[str], bound_any: bool) -> PullFailed:
+    others = "The other pulled names were bound. " if bound_any else ""
+    return PullFailed(
+        f"The job succeeded, but {len(reasons)} pulled name{'s' * (len(reasons) > 1)} could not be "
+        f"brought back to the notebook. {others}\n" + "\n".join(f"  {reason}" for reason in reasons)
+    )
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
-__all__ = ["describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
+__all__ = ["RESULT_HINT", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
 
 _MAX_DEPTH = 6
 
@@ -81,15 +81,22 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, Any, Exc
     return path, obj, error
 
 
-def describe_unpicklable(found: tuple[str, Any, Exception], what: str) -> str:
+SENDING_HINT = (
+    "Likely cause: an object tied to this process (a lock, an open file or socket, a generator, "
+    "a CUDA handle) is referenced by the function or its arguments. What to do: create it inside "
+    "the function, or pass what is needed to build it (a path, a config)."
+)
+RESULT_HINT = (
+    "Likely cause: the value holds an object tied to the rank's process (a lock, an open file, a "
+    "process group, a DataLoader, a Trainer holding them). What to do: bring back what can travel "
+    "(model.state_dict(), tensors, numbers, plain data), or save it to a file in the rank and load "
+    "that in the notebook."
+)
+
+
+def describe_unpicklable(found: tuple[str, Any, Exception], what: str, hint: str = SENDING_HINT) -> str:
     path, obj, error = found
-    return (
-        f"{what}: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be "
-        f"pickled: {error}. Likely cause: an object tied to this process (a lock, an open "
-        "file or socket, a generator, a CUDA handle) is referenced by the function or its "
-        "arguments. What to do: create it inside the function, or pass what is needed to "
-        "build it (a path, a config)."
-    )
+    return f"{what}: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be pickled: {error}. {hint}"
 
 
 def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
@@ -164,14 +171,14 @@ class _ResultPickler(_Pickler):
         return super().reducer_override(obj)
 
 
-def dump_result(value: Any) -> bytes:
-    """The pickled result of a rank; TypeError naming the culprit if it cannot be pickled."""
+def dump_result(value: Any, path: str = "the returned value") -> bytes:
+    """The pickled result of a rank; TypeError naming the culprit (under ``path``) if it cannot be pickled."""
     try:
         return _dumps(value, _ResultPickler)
     except _DTensorResult as error:
-        raise TypeError(f"Cannot send the result back: {error}") from None
+        raise TypeError(f"Cannot send {path} back: {error}") from None
     except Exception as error:
-        found = find_unpicklable(value, "the returned value")
+        found = find_unpicklable(value, path)
         if found is not None:
-            raise TypeError(describe_unpicklable(found, "Cannot send the result back")) from None
-        raise TypeError(f"Cannot send the result back: {error}") from None
+            raise TypeError(describe_unpicklable(found, "Cannot send the result back", RESULT_HINT)) from None
+        raise TypeError(f"Cannot send {path} back: {error}. {RESULT_HINT}") from None

@@ -53,6 +53,23 @@ def test_pull_all_gives_a_list_indexed_by_rank(notebook):
     assert notebook.execute("print(square)").stdout.strip() == "[1, 2]"
 
 
+def test_a_pulled_name_that_cannot_travel_costs_only_itself(notebook):
+    result = notebook.execute(
+        "%%shard_train --nproc 2 --pull before,lock,after\n"
+        "import threading\n"
+        "before = rank + 10\n"
+        "lock = threading.Lock()  # tied to the rank's process, like a Trainer\n"
+        "after = [rank, 'ok']\n"
+    )
+    assert result.status == "error" and result.error["ename"] == "PullFailed"
+    text = result.traceback
+    assert "lock: Cannot send the result back: the pulled 'lock' (a _thread.lock)" in text
+    assert "state_dict()" in text and "arguments" not in text  # a hint written for results
+    assert "The other pulled names were bound" in text
+    notebook.assert_reads_as_a_local_error(result)
+    assert notebook.execute("print(before, after, 'lock' in globals())").stdout.strip() == "10 [0, 'ok'] False"
+
+
 def test_each_cell_is_a_fresh_job(notebook):
     notebook.execute("%%shard_train --nproc 1\nleftover = 1")
     result = notebook.execute("%%shard_train --nproc 1 --pull seen\nseen = 'leftover' in globals()")
