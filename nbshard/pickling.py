@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
-__all__ = ["RESULT_HINT", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
+__all__ = ["RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
 
 _MAX_DEPTH = 6
 
@@ -96,6 +96,8 @@ RESULT_HINT = (
 
 def describe_unpicklable(found: tuple[str, Any, Exception], what: str, hint: str = SENDING_HINT) -> str:
     path, obj, error = found
+    if isinstance(error, ProcessLocalState):
+        hint = ""  # its own message says what to do
     return f"{what}: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be pickled: {error}. {hint}"
 
 
@@ -109,12 +111,67 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
     return rebuild, tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
 
 
+class ProcessLocalState(TypeError):
+    """An object whose whole meaning is this process's distributed setup (accelerate's state)."""
+
+
+# Cached device and process-group state that transformers' TrainingArguments sets up on first
+# use (``args.device``); dropped on the way, each rank sets it up again under its own torchrun
+# environment instead of training alone with the kernel's world size of 1.
+_TRAINING_ARGS_DEVICE_STATE = ("_setup_devices", "distributed_state", "_n_gpu")
+_ACCELERATE_STATE = ("accelerate.state", ("PartialState", "AcceleratorState", "GradientState"))
+_ACCELERATE_ACCELERATOR = ("accelerate.accelerator", ("Accelerator",))
+
+
+def _loaded_classes(module: str, names: tuple[str, ...]) -> tuple[type, ...]:
+    """Those of ``names`` in ``module`` if the program imported it; nothing is imported here."""
+    found = sys.modules.get(module)
+    return tuple(cls for name in names if isinstance(cls := getattr(found, name, None), type))
+
+
+def _set_up_devices_again(obj: Any, state: dict[str, Any]) -> None:
+    """Unpickling in a rank: the state without the sender's devices, then this rank's devices
+    set up as ``TrainingArguments.__post_init__`` does (a cached property)."""
+    vars(obj).update(state)
+    obj._setup_devices  # noqa: B018 - the access is the setup
+
+
+def _reduce_process_local(obj: Any, set_up_again: bool) -> Any:
+    """How to pickle an object that carries this process's distributed state, or NotImplemented.
+
+    ``set_up_again``: in a job (the receiver is a rank), TrainingArguments set up their devices
+    on arrival; in a result (the receiver is the kernel, which must stay GPU-free) they do so
+    only when asked, and meanwhile report no distributed state.
+    """
+    training_args = _loaded_classes("transformers.training_args", ("TrainingArguments",))
+    if training_args and isinstance(obj, training_args) and any(k in vars(obj) for k in _TRAINING_ARGS_DEVICE_STATE):
+        rebuild, args, state, *_ = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        state = {k: v for k, v in state.items() if k not in _TRAINING_ARGS_DEVICE_STATE}
+        if set_up_again:
+            return rebuild, args, state, None, None, _set_up_devices_again
+        return rebuild, args, {**state, "distributed_state": None}
+    accelerate = _loaded_classes(*_ACCELERATE_STATE) + _loaded_classes(*_ACCELERATE_ACCELERATOR)
+    if accelerate and isinstance(obj, accelerate):
+        raise ProcessLocalState(
+            f"a {type(obj).__name__} describes the distributed setup of the process that made it (here: "
+            "one process, no process group), so each rank would train alone with it. Create it inside "
+            "the job, where each rank sets it up under its own RANK and WORLD_SIZE."
+        )
+    return NotImplemented
+
+
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = collections.ChainMap(
         # Only where this cloudpickle has the reducer we wrap (a private name, checked here).
         {types.CodeType: _code_reduce_keeping_filename} if hasattr(_cloudpickle_internals, "_code_reduce") else {},
         cloudpickle.Pickler.dispatch_table,
     )
+
+    set_up_again = True  # what it pickles is for a rank
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = _reduce_process_local(obj, self.set_up_again)
+        return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
 
 def _dumps(value: Any, pickler: type[cloudpickle.Pickler] = _Pickler) -> bytes:
@@ -150,6 +207,8 @@ class _DTensorResult(TypeError):
 
 class _ResultPickler(_Pickler):
     """Moves tensors to the CPU and refuses DTensors, which only make sense across ranks."""
+
+    set_up_again = False  # what it pickles is for the kernel
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
