@@ -188,7 +188,7 @@ def render_html(title: str, ranks: Sequence[RankView], tail: str = "") -> str:
         f"<td {cell}>{human_bytes(view.peak)}</td>"
         f"<td {cell}>{sparkline_svg(view.history)}</td>"
         f"<td {cell}>{html.escape(_metrics_text(view.metrics))}</td>"
-        f"<td {cell}><code>{html.escape(view.last_line[:120])}</code></td>"
+        f"<td {cell}>{f'<code>{html.escape(view.last_line[:120])}</code>' if view.last_line else ''}</td>"
         "</tr>"
         for view in ranks
     )

@@ -254,9 +254,10 @@ class JobInterrupted(KeyboardInterrupt):
     ``cancelled`` is the job's ``JobCancelled``, with where each rank was.
     """
 
-    def __init__(self, cancelled: JobError | None) -> None:
+    def __init__(self, label: str, cancelled: JobError | None) -> None:
         self.cancelled = cancelled
-        super().__init__(str(cancelled) if cancelled is not None else "interrupted")
+        where = str(cancelled).split("\n", 1)[1:] if cancelled is not None else []
+        super().__init__("\n".join([f"{label} was interrupted, and its ranks were stopped.", *where]))
 
     def _render_traceback_(self) -> list[str]:
         return [f"{_red('KeyboardInterrupt')}: {self}"]

@@ -173,7 +173,7 @@ class JobHandle:
             except KeyboardInterrupt:
                 self.kill()
                 self._done.wait()
-            raise JobInterrupted(self._exception) from None
+            raise JobInterrupted(self.job.label, self._exception) from None
         finally:
             self._watching = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True))

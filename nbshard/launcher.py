@@ -176,6 +176,7 @@ class Launcher:
             proc.returncode = proc.popen.returncode
             proc.ended_at = time.time()
             proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
+            self.log_error(proc)
             signame = signal_name(-proc.returncode) if proc.returncode < 0 else None
             self.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
             if not proc.ok and self.stop_reason is None:
@@ -210,6 +211,13 @@ class Launcher:
         if now >= self.kill_at:
             for proc in self.ranks:
                 proc.signal(signal.SIGKILL)
+
+    def log_error(self, proc: Rank) -> None:
+        """The traceback of a rank that raised, at the end of its log."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            text = read_json(self.run_dir.error(proc.rank)).get("traceback", "")
+            if text:
+                proc.log.write(f"\n[nbshard] this rank raised:\n{text}".encode())
 
     def keep_stacks(self, proc: Rank) -> None:
         """The stacks the rank dumped on request: for the outcome, and at the end of its log."""

@@ -41,6 +41,8 @@ class LineSplitter:
         if not data and self._partial:  # end of stream: an unterminated last line
             finished.append(self._partial)
             self._partial = ""
+        # A bar cleared and then ended (tqdm's close with leave=False) is no line of output.
+        finished = [line for line in finished if "\r" not in line or _visible(line).strip()]
         if len(self._partial) > 100 * MAX_LINE:  # no newline for a long time
             finished.append(self._partial)
             self._partial = ""

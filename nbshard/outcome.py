@@ -41,7 +41,8 @@ def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFai
                 stacks=entry["stacks"],
             )
         )
-    return sorted(failures, key=lambda f: (f.stopped, f.time))
+    # The earliest real failure leads; the ranks nbshard stopped follow in rank order.
+    return sorted(failures, key=lambda f: (f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
 def _load_values(run_dir: RunDir, ranks: range) -> list[Any]:

@@ -127,9 +127,10 @@ def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | Non
 
 
 def _write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
+    """The error file; the launcher copies its traceback into the rank's log (the kernel
+    shows it as a traceback of its own, so it is not streamed as lines too)."""
     tb = _user_traceback(error.__traceback__)
     text = "".join(traceback.format_exception(type(error), error, tb)) + (f"{hint}\n" if hint else "")
-    sys.stderr.write(text)
     cls = type(error)
     write_json(
         run_dir.error(rank),

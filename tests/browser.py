@@ -1,0 +1,171 @@
+"""A real JupyterLab server and a real Chromium driven by Playwright, as a person uses them.
+
+The server runs on 127.0.0.1 with a token, its settings and workspaces in the
+test's own directory; Chromium is Debian's (``/usr/bin/chromium``), started
+headless with no network of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class JupyterLab:
+    """``jupyter lab`` serving ``root``, stopped (with its kernels) by ``stop()``."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.root = root
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        home = root / ".jupyter-home"
+        for name in ("config", "data", "runtime", "settings", "workspaces"):
+            (home / name).mkdir(parents=True, exist_ok=True)
+        server_env = {
+            **os.environ, **env,
+            "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+        }
+        # No news or update checks: this machine has no network, and a toast would cover the page.
+        (home / "settings" / "@jupyterlab").mkdir(exist_ok=True)
+        (home / "settings" / "@jupyterlab" / "apputils-extension").mkdir(exist_ok=True)
+        (home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False})
+        )
+        self.log = open(root / "jupyterlab.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}",
+             f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--ServerApp.open_browser=False"],
+            cwd=root, env=server_env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self._wait_ready(timeout=90)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited: {(self.root / 'jupyterlab.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(f"jupyter lab did not answer within {timeout} s")
+
+    def stop(self) -> None:
+        """Shut the server down, kernels included; SIGKILL its session if it lingers."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(signal.SIGINT)  # the second one skips the "are you sure" prompt
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        self.log.close()
+
+
+class NotebookPage:
+    """One notebook open in JupyterLab in a Chromium page: run cells, read what they show."""
+
+    def __init__(self, page: Any, lab: JupyterLab, notebook: str, shots: Path) -> None:
+        self.page = page
+        self.shots = shots
+        page.set_viewport_size({"width": 1400, "height": 1000})
+        page.goto(f"{lab.url}/lab/tree/{notebook}?token={lab.token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        # The kernel is ready when the toolbar's status says idle.
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+
+    def cell(self, index: int) -> Any:
+        return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+    def run(self, index: int, wait: bool = True, timeout: float = 120) -> int | None:
+        """Select the cell and press Shift+Enter, as a person does; the number it is shown with.
+
+        Right after the page loads, the kernel may not be connected yet and JupyterLab
+        drops the request (the prompt stays blank): then the person presses again.
+        """
+        for _ in range(5):
+            self.cell(index).locator(".jp-InputArea-editor").click()
+            self.page.keyboard.press("Shift+Enter")
+            started = time.monotonic()
+            while self.prompt(index) == "" and time.monotonic() - started < 5:
+                self.page.wait_for_timeout(100)
+            if self.prompt(index) != "":
+                break
+        if wait:
+            self.wait_for(lambda: self.prompt(index) not in ("*", ""), timeout)
+            return int(self.prompt(index))
+        return None
+
+    def prompt(self, index: int) -> str:
+        """What the input prompt shows between the brackets: a number, "*" while running, or ""."""
+        text = self.cell(index).locator(".jp-InputPrompt").inner_text().strip()
+        return text.removeprefix("[").removesuffix("]:").strip()
+
+    def outputs(self, index: int, mime: str | None = None) -> list[Any]:
+        selector = ".jp-OutputArea-output" + (f"[data-mime-type='{mime}']" if mime else "")
+        return self.cell(index).locator(selector).all()
+
+    def text(self, index: int, mime: str | None = None) -> str:
+        return "\n".join(output.inner_text() for output in self.outputs(index, mime))
+
+    def wait_for(self, condition: Any, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                self.screenshot("timed-out")
+                raise TimeoutError(f"the page did not get there within {timeout} s; see {self.shots}")
+            self.page.wait_for_timeout(200)
+
+    def interrupt(self) -> None:
+        """Click the toolbar's stop button (interrupt the kernel)."""
+        self.page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
+
+    def screenshot(self, name: str, of: int | None = None) -> Path:
+        """The page as it is in view; with ``of``, scrolled so that cell's last output is in view."""
+        if of is not None:
+            self.cell(of).locator(".jp-OutputArea-output").last.scroll_into_view_if_needed()
+        path = self.shots / f"{name}.png"
+        self.page.screenshot(path=str(path), full_page=False)
+        return path
+
+
+def write_notebook(path: Path, cells: list[str]) -> None:
+    path.write_text(json.dumps({
+        "cells": [
+            {"cell_type": "code", "execution_count": None, "id": f"cell-{i}", "metadata": {}, "outputs": [], "source": src}
+            for i, src in enumerate(cells)
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }))

@@ -1,0 +1,153 @@
+"""What a person sees: a notebook run cell by cell in a real JupyterLab, in a real Chromium.
+
+Each test looks at the page itself (the rendered outputs, what is in view),
+not at the messages behind it. Screenshots of each step are kept in the
+test's directory (or in ``$NBSHARD_SCREENSHOTS``) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, wait_until_gone
+
+pytestmark = pytest.mark.timeout(300)
+
+playwright = pytest.importorskip("playwright.sync_api", reason="the browser tests need Playwright (pip install playwright)")
+
+from browser import CHROMIUM, CHROMIUM_FLAGS, JupyterLab, NotebookPage, write_notebook  # noqa: E402
+
+if CHROMIUM is None:
+    pytest.skip("the browser tests need Chromium (apt-get install chromium)", allow_module_level=True)
+
+CELLS = [
+    "%load_ext nbshard\nimport nbshard",
+    # 1: a progress bar on stderr, cleared before each log line on stdout, as tqdm does under a Trainer
+    "%%shard_train --nproc 2 --show-ranks 0\n"
+    "import sys, time\n"
+    "for step in range(1, 301):\n"
+    "    sys.stderr.write(f'\\rtraining {step}/300 |' + '#' * (step // 30))\n"
+    "    sys.stderr.flush()\n"
+    "    if step % 100 == 50:\n"
+    "        sys.stderr.write('\\r' + ' ' * 40 + '\\r')\n"
+    "        sys.stderr.flush()\n"
+    "        print(f'logged step {step}', flush=True)\n"
+    "    time.sleep(0.004)\n"
+    "sys.stderr.write('\\n')\n"
+    "sys.stderr.write('\\rcleaning up' + '\\r' + ' ' * 12 + '\\r\\n')  # a bar cleared, then ended\n",
+    # 2: a rank fails
+    "%%shard_train --nproc 2\n"
+    "def check(value):\n"
+    "    if value > 0:\n"
+    "        raise ValueError(f'rank {value} diverged')\n"
+    "check(rank)\n",
+    # 3: a job in the background with its live view
+    "%%shard_train --nproc 2 --noblock job\n"
+    "import time\n"
+    "for i in range(40):\n"
+    "    print(f'line {i}', flush=True)\n"
+    "    time.sleep(0.15)\n",
+    # 4: a job the person stops with the stop button
+    "import time\n"
+    "def wait_long():\n"
+    "    print('waiting', flush=True)\n"
+    "    time.sleep(600)\n"
+    "nbshard.run(wait_long, nproc=2)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def notebook(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("lab")
+    shots = Path(os.environ.get("NBSHARD_SCREENSHOTS") or root / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    runs = root / "runs"
+    write_notebook(root / "person.ipynb", CELLS)
+    lab = JupyterLab(root, {"NBSHARD_RUNS_DIR": str(runs), "PYTHONPATH": str(REPO)})
+    try:
+        with playwright.sync_playwright() as driver:
+            browser = driver.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+            try:
+                page = NotebookPage(browser.new_page(), lab, "person.ipynb", shots)
+                assert page.run(0) == 1
+                yield page
+            finally:
+                browser.close()
+    finally:
+        lab.stop()
+        assert not wait_until_gone(runs, within=5.0), "a rank or launcher outlived JupyterLab"
+
+
+def stdout_lines(page: NotebookPage, index: int) -> list[str]:
+    return page.text(index, "application/vnd.jupyter.stdout").splitlines()
+
+
+def test_a_progress_bar_is_one_line_below_the_logs(notebook):
+    notebook.run(1)
+    notebook.screenshot("1-progress-bar", of=1)
+    lines = [line.rstrip() for line in stdout_lines(notebook, 1)]
+    assert [line for line in lines if "logged" in line] == [f"[rank0]: logged step {s}" for s in (50, 150, 250)]
+    bars = [line for line in lines if "training" in line]
+    assert bars == ["[rank0]: training 300/300 |##########"], lines
+    assert "[rank0]:" not in lines and "" not in lines  # no empty prefixed lines, no blank leftovers
+    assert len(notebook.outputs(1, "text/html")) == 1  # the live view: one output, updated in place
+
+
+def test_a_failing_rank_reads_as_a_local_error_with_the_cells_number(notebook):
+    number = notebook.run(2)
+    notebook.screenshot("2-failing-rank", of=2)
+    error = notebook.text(2, "application/vnd.jupyter.stderr")
+    assert f"Cell In[{number}], line 5" in error and f"Cell In[{number}], line 4, in check" in error
+    assert "ValueError: rank 1 diverged" in error and "JobFailed: The job failed on rank 1." in error
+    assert "nbshard/" not in error and "run_cell_magic" not in error and "get_ipython()" not in error
+    # The rank's traceback is shown once, as the notebook's own, not also as streamed lines.
+    assert "Traceback" not in notebook.text(2, "application/vnd.jupyter.stdout")
+
+
+def test_the_live_view_updates_in_place_with_the_newest_line_in_view(notebook):
+    notebook.run(3)
+    view = notebook.cell(3).locator(".nbshard-job")
+    seen = []
+
+    def newest() -> int:
+        numbers = [int(n) for n in re.findall(r"line (\d+)", view.locator("pre").inner_text())] if view.locator("pre").count() else []
+        return max(numbers, default=-1)
+
+    notebook.wait_for(lambda: newest() >= 10, timeout=60)
+    notebook.screenshot("3-live-view-running", of=3)
+    scroller = notebook.page.locator(".jp-NotebookPanel .jp-WindowedPanel-outer")
+    while "succeeded" not in view.inner_text():
+        assert len(notebook.outputs(3, "text/html")) == 1  # updated in place, never appended
+        tail = view.locator("pre")
+        # The newest line is the last one shown, and the tail is not a box that scrolls.
+        shown = tail.evaluate("e => [e.innerText, e.scrollHeight <= e.clientHeight + 1]")
+        seen.append(max(int(n) for n in re.findall(r"line (\d+)", shown[0])))
+        assert shown[0].rstrip().splitlines()[-1].endswith(f"line {seen[-1]}") and shown[1], shown
+        # Updates leave the reader's place alone: the notebook does not scroll by itself.
+        place = scroller.evaluate("e => e.scrollTop")
+        notebook.page.wait_for_timeout(400)
+        assert scroller.evaluate("e => e.scrollTop") == place
+        assert len(seen) < 100, "the job did not end"
+    notebook.screenshot("3-live-view-ended", of=3)
+    assert seen == sorted(seen) and len(set(seen)) >= 3  # it moved on while watched
+    assert newest() == 39
+
+
+def test_the_stop_button_ends_a_job_with_a_short_message(notebook):
+    notebook.run(4, wait=False)
+    notebook.wait_for(lambda: stdout_lines(notebook, 4).count("[rank0]: waiting") + stdout_lines(notebook, 4).count("[rank1]: waiting") == 2)
+    notebook.interrupt()
+    notebook.wait_for(lambda: notebook.prompt(4) not in ("*", ""), timeout=30)
+    number = int(notebook.prompt(4))
+    notebook.screenshot("4-stopped", of=4)
+    error = notebook.text(4, "application/vnd.jupyter.stderr")
+    assert error.startswith("KeyboardInterrupt: wait_long was interrupted, and its ranks were stopped."), error
+    assert error.count(f"Cell In[{number}], line 4, in wait_long") == 2 and error.count("time.sleep(600)") == 2
+    assert len(error.splitlines()) <= 12
+    shown = notebook.text(4)
+    for plumbing in ("Thread 0x", "threading.py", "runpy", "nbshard/"):
+        assert plumbing not in shown
