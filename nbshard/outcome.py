@@ -91,9 +91,9 @@ def collect(
     exception: JobError
     if status == "timed_out":
         exception = JobTimedOut(
-            f"The job ran past its timeout of {timeout:g} s and was stopped. Each rank's Python "
-            "stack at that moment is below (and in its log). If it was still making progress, "
-            "raise timeout=; if a rank waits in a collective, another rank never joined it.",
+            f"The job ran past its timeout of {timeout:g} s and was stopped. Where each rank was "
+            "is below (every thread's stack is at the end of its log). If it was still making "
+            "progress, raise timeout=; if a rank waits in a collective, another rank never joined it.",
             failures, where,
         )
     elif status == "cancelled":

@@ -67,6 +67,7 @@ def test_timeout_stops_the_job_and_shows_where_each_rank_was():
     assert time.monotonic() - started < 3 + 5
     message = str(caught.value)
     assert "timeout of 3 s" in message
+    assert message.count("in sleep_forever") == 2 and "Thread 0x" not in message  # where, in a few lines
     for failure in caught.value.failures:
         assert "in sleep_forever" in failure.stacks  # faulthandler's dump, taken before the kill
     assert isinstance(caught.value, nbshard.JobFailed)
