@@ -29,6 +29,7 @@ __all__ = [
     "RemoteError",
     "likely_cause",
     "remote_exception",
+    "short_traceback",
     "signal_name",
     "where_stopped",
 ]
@@ -185,8 +186,10 @@ def where_stopped(stacks: str, limit: int = 3) -> list[str]:
     return lines
 
 
-def _red(name: str) -> str:
-    return f"\x1b[0;31m{name}\x1b[0m"
+def short_traceback(error: BaseException) -> list[str]:
+    """An error as IPython shows it in one line, ``Name: message`` with the name in red,
+    for errors whose frames (nbshard waiting) would say nothing to a person."""
+    return [f"\x1b[0;31m{type(error).__name__}\x1b[0m: {error}"]
 
 
 def _ipython_traceback(error: BaseException) -> list[str]:
@@ -229,7 +232,7 @@ class JobError(Exception):
         locally, then this summary; none of nbshard's own frames (they only waited)."""
         cause = self.__cause__
         shown = _ipython_traceback(cause) if cause is not None else []
-        return [*shown, *([""] if shown else []), f"{_red(type(self).__name__)}: {self}"]
+        return [*shown, *([""] if shown else []), *short_traceback(self)]
 
 
 class JobFailed(JobError):
@@ -260,7 +263,7 @@ class JobInterrupted(KeyboardInterrupt):
         super().__init__("\n".join([f"{label} was interrupted, and its ranks were stopped.", *where]))
 
     def _render_traceback_(self) -> list[str]:
-        return [f"{_red('KeyboardInterrupt')}: {self}"]
+        return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self}"]  # what a person pressed for
 
 
 class RemoteError(Exception):

@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from nbshard.cell import free_names, run_cell
 from nbshard.client import submit
+from nbshard.errors import short_traceback
 from nbshard.handle import JobHandle
 from nbshard.job import Job
 from nbshard.pickling import describe_unpicklable, find_unpicklable
@@ -216,7 +217,7 @@ class PullFailed(Exception):
     """Some ``--pull`` names could not be brought back; the others were bound."""
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+        return short_traceback(self)
 
 
 def _pull_failed(reasons: list[str], bound_any: bool) -> PullFailed:

@@ -30,7 +30,7 @@ ALLOWED = {
     "client": {"job", "files", "wire", "backends", "handle", "pickling", "gpus"},
     "testing": {"__init__"},
     "cell": {"pickling"},  # a rank pickles each pulled name on its own
-    "magic": {"cell", "client", "handle", "job", "pickling"},
+    "magic": {"cell", "client", "errors", "handle", "job", "pickling"},
     "__init__": {"client", "dist", "errors", "job", "magic", "gpus", "monitor"},
 }
 
