@@ -11,6 +11,7 @@ import dataclasses
 import os
 import secrets
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.backends import get_backend
-from nbshard.files import write_atomic, write_json
+from nbshard.files import make_private_dirs, write_atomic, write_json
 from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
@@ -67,21 +68,40 @@ def _as_job(target: Job | Callable[..., Any], args: tuple[Any, ...], options: di
 
 def _new_run_dir(label: str) -> RunDir:
     root = settings.runs_dir
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(root)  # refuses a directory another local user could swap things in
     _prune_runs(root, settings.keep_runs)
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in label)[:40]
     path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{secrets.token_hex(3)}"
+    longest = path / f".torchelastic-error-{10**6}.json.{10**7}.tmp"  # the longest name a run writes
+    limit = os.pathconf(root, "PC_PATH_MAX")
+    if len(os.fsencode(longest)) >= limit:
+        raise ValueError(
+            f"the runs directory's path is too long ({len(os.fsencode(root))} bytes): a run's files "
+            f"would pass this filesystem's limit of {limit} bytes per path. Set NBSHARD_RUNS_DIR or "
+            "nbshard.settings.runs_dir to a shorter path."
+        )
     path.mkdir(mode=0o700)
     return RunDir(path)
+
+
+def _own_finished_run(path: Path) -> float | None:
+    """The run's mtime if it is one of ours and finished; None for anything else (another
+    user's entry, a file, one that cannot be read): pruning leaves those alone."""
+    try:
+        st = os.lstat(path)
+        if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+            return None
+        return st.st_mtime if (path / "outcome.json").exists() or _launcher_gone(path) else None
+    except OSError:
+        return None
 
 
 def _prune_runs(root: Path, keep: int) -> None:
     """Delete finished run directories beyond the newest ``keep``."""
     finished = sorted(
-        (p for p in root.iterdir() if (p / "outcome.json").exists() or _launcher_gone(p)),
-        key=lambda p: p.stat().st_mtime,
+        (mtime, path) for path in root.iterdir() if (mtime := _own_finished_run(path)) is not None
     )
-    for path in finished[: max(len(finished) - keep, 0)]:
+    for _, path in finished[: max(len(finished) - keep, 0)]:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -114,20 +134,23 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
     payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
     run_dir = _new_run_dir(job.label)
-    key = new_key()
-    write_atomic(run_dir.key, key)
-    write_atomic(run_dir.job, payload)
-    receiver = Receiver(key)
-    write_json(run_dir.launch, {
-        "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
-        "grace": job.grace, "master_port": job.master_port, "run_id": run_dir.path.name,
-        "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
-        "sample_interval": job.sample_interval,
-    })
+    receiver = None
     try:
+        key = new_key()
+        write_atomic(run_dir.key, key)
+        write_atomic(run_dir.job, payload)
+        receiver = Receiver(key)
+        write_json(run_dir.launch, {
+            "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
+            "grace": job.grace, "master_port": job.master_port, "run_id": run_dir.path.name,
+            "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
+            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(),
+        })
         launcher = start(run_dir, launch_environment(kernel_env, gpus=job.gpus, extra=job.env), cwd)
-    except BaseException:
-        receiver.close()
+    except BaseException:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
+        if receiver is not None:
+            receiver.close()
+        shutil.rmtree(run_dir.path, ignore_errors=True)
         raise
     return JobHandle(job, nproc, run_dir, launcher, receiver)
 

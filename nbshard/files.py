@@ -1,13 +1,15 @@
-"""Atomic files: the run directory is the source of truth, so no reader ever sees half a file."""
+"""Atomic files and private directories: the run directory is the source of truth, so no
+reader ever sees half a file, and the kernel reads only a directory it made and still holds."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_json", "write_atomic", "write_json"]
+__all__ = ["OpenedDir", "RunDirReplaced", "identity", "make_private_dirs", "read_json", "write_atomic", "write_json"]
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -29,3 +31,97 @@ def write_json(path: Path, value: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def _unsafe_because(path: Path, st: os.stat_result, last: bool) -> str | None:
+    """Why another local user could replace what ``path`` holds, or None."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0) or (last and st.st_uid != me):
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable_by_others and (last or not st.st_mode & stat.S_ISVTX):  # /tmp's sticky bit protects entries
+        return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700, and check that no other local user
+    can swap it or anything above it; ``PermissionError`` that says why and what to do."""
+    path = Path(os.path.abspath(path))
+    missing = []
+    for parent in (path, *path.parents):
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    real = Path(os.path.realpath(path))
+    for component in (real, *real.parents):
+        problem = _unsafe_because(component, os.lstat(component), last=component == real)
+        if problem is not None:
+            raise PermissionError(
+                f"nbshard will not keep runs in {path}: {problem}. Another local user could then "
+                "replace a run's files and have this kernel load them. Use a directory of your own: "
+                "unset NBSHARD_RUNS_DIR (the default is ~/.cache/nbshard/runs) or point it, or "
+                "nbshard.settings.runs_dir, at a directory only you can write (chmod go-w)."
+            )
+
+
+def identity(path: Path) -> tuple[int, int]:
+    """What tells a directory from another one put at the same path later."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+class RunDirReplaced(OSError):
+    """The run directory at the path is no longer the one the kernel made."""
+
+
+class OpenedDir:
+    """A directory opened once, checked to be the one expected, and read through its descriptor,
+    so a directory renamed into its place is never read, nor a link inside it followed."""
+
+    def __init__(self, path: Path, expected: tuple[int, int]) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as error:
+            raise RunDirReplaced(f"the run directory {path} is gone or was replaced ({error.strerror})") from None
+        st = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != expected or st.st_uid != os.geteuid():
+            os.close(self._fd)
+            raise RunDirReplaced(
+                f"the run directory {path} was replaced while the job ran (renamed away and another put "
+                "in its place), so nbshard loads nothing from it. Keep runs in a directory only you can write."
+            )
+
+    def __enter__(self) -> OpenedDir:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self._fd)
+
+    def exists(self, path: Path) -> bool:
+        try:
+            os.stat(path.name, dir_fd=self._fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def open(self, path: Path) -> Any:
+        """A file of this directory (by name), opened for reading without following links."""
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._fd)
+        return os.fdopen(fd, "rb")
+
+    def read_bytes(self, path: Path) -> bytes:
+        with self.open(path) as file:
+            return file.read()
+
+    def read_json(self, path: Path) -> Any:
+        return json.loads(self.read_bytes(path))
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path.name, dir_fd=self._fd)

@@ -18,6 +18,7 @@ from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
+from nbshard.files import OpenedDir, RunDirReplaced, identity
 from nbshard.job import Job, RunDir
 from nbshard.outcome import collect, read_outcome
 from nbshard.telemetry import Telemetry, to_frame
@@ -60,6 +61,7 @@ class JobHandle:
         self.started = time.time()
         self.ended: float | None = None
         self._paths = run_dir
+        self._identity = identity(run_dir.path)  # read back only from this very directory
         self._launcher = launcher
         self._receiver = receiver
         self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
@@ -128,6 +130,11 @@ class JobHandle:
             return "\n".join(f"==> rank {r} <==\n{self.logs(r)}" for r in range(self.nproc))
         if not 0 <= rank < self.nproc:
             raise ValueError(f"rank must be in 0..{self.nproc - 1}, got {rank}")
+        if not self.run_dir.exists():
+            raise FileNotFoundError(
+                f"the logs of {self.job.label} are gone: its run directory {self.run_dir} was pruned "
+                "(nbshard.settings.keep_runs keeps that many of the newest finished runs) or deleted."
+            )
         path = self._paths.log(rank)
         return path.read_bytes().decode(errors="replace") if path.exists() else ""
 
@@ -329,12 +336,15 @@ class JobHandle:
 
     def _finish(self) -> None:
         try:
-            outcome = read_outcome(self._paths)  # read once: for the drop tally and the result
-            self._note_unreported_drops(outcome)
-            self._value, self._exception = collect(
-                self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
-                timeout=self.job.timeout, launcher_exit=self._launcher.poll(),
-            )
+            with OpenedDir(self._paths.path, self._identity) as files:
+                outcome = read_outcome(files, self._paths)  # read once: for the drop tally and the result
+                self._note_unreported_drops(outcome)
+                self._value, self._exception = collect(
+                    files, self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
+                    timeout=self.job.timeout, launcher_exit=self._launcher.poll(),
+                )
+        except RunDirReplaced as error:
+            self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))
         except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error!r}", run_dir=str(self.run_dir))
         self.status = _status_of(self._exception)

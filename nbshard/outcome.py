@@ -1,4 +1,8 @@
-"""Turn a finished run directory into the job's value or the exception that explains it."""
+"""Turn a finished run directory into the job's value or the exception that explains it.
+
+Every file is read through ``OpenedDir``: the directory the kernel made, still held,
+never one put at its path since.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +18,13 @@ from nbshard.errors import (
     remote_exception,
     signal_name,
 )
-from nbshard.files import read_json
+from nbshard.files import OpenedDir
 from nbshard.job import RunDir
 
 __all__ = ["collect", "read_outcome"]
 
 
-def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFailure]:
+def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFailure]:
     """Every rank that did not return, root cause first: the earliest real failure."""
     failures = []
     for entry in ranks:
@@ -28,8 +32,8 @@ def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFai
             continue
         rank, code = entry["rank"], entry["exitcode"]
         error_file = run_dir.error(rank)
-        if error_file.exists() and not entry["stopped"]:
-            failures.append(RankFailure.from_error_file(read_json(error_file)))
+        if files.exists(error_file) and not entry["stopped"]:
+            failures.append(RankFailure.from_error_file(files.read_json(error_file)))
             continue
         failures.append(
             RankFailure(
@@ -45,16 +49,17 @@ def _rank_failures(run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFai
     return sorted(failures, key=lambda f: (f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
-def _load_values(run_dir: RunDir, ranks: range) -> list[Any]:
-    return [pickle.loads(run_dir.result(rank).read_bytes()) for rank in ranks]
+def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range) -> list[Any]:
+    return [pickle.loads(files.read_bytes(run_dir.result(rank))) for rank in ranks]
 
 
-def read_outcome(run_dir: RunDir) -> dict[str, Any] | None:
+def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:
     """The launcher's ``outcome.json``, or None when it ended without writing one."""
-    return read_json(run_dir.outcome) if run_dir.outcome.exists() else None
+    return files.read_json(run_dir.outcome) if files.exists(run_dir.outcome) else None
 
 
 def collect(
+    files: OpenedDir,
     run_dir: RunDir,
     outcome: dict[str, Any] | None,
     *,
@@ -76,7 +81,7 @@ def collect(
     status = outcome["status"]
     if status == "succeeded":
         try:
-            values = _load_values(run_dir, range(nproc) if return_all else range(1))
+            values = _load_values(files, run_dir, range(nproc) if return_all else range(1))
         except Exception as error:  # noqa: BLE001 - reported with its cause
             failed = JobFailed(
                 f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "
@@ -87,7 +92,7 @@ def collect(
             failed.__cause__ = error
             return None, failed
         return (values if return_all else values[0]), None
-    failures = _rank_failures(run_dir, outcome["ranks"])
+    failures = _rank_failures(files, run_dir, outcome["ranks"])
     exception: JobError
     if status == "timed_out":
         exception = JobTimedOut(

@@ -1,0 +1,97 @@
+"""Adversarial cases: other local users, floods, escaping processes, full disks, huge results."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import nbshard
+import programs
+from conftest import processes_of
+
+pytestmark = pytest.mark.timeout(180)
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create files owned by another user")
+
+
+def test_a_runs_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # like a directory another user made world-writable
+    monkeypatch.setattr(nbshard.settings, "runs_dir", shared / "runs")
+    with pytest.raises(PermissionError, match=r"shared is writable by other users \(mode 777\).*NBSHARD_RUNS_DIR"):
+        nbshard.submit(programs.rank_and_value, 1, nproc=1)
+    assert not (shared / "runs").exists() or not list((shared / "runs").iterdir())
+
+
+@as_root
+def test_a_runs_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    monkeypatch.setattr(nbshard.settings, "runs_dir", theirs)
+    with pytest.raises(PermissionError, match=f"belongs to another user \\(uid {NOBODY}\\)"):
+        nbshard.run(programs.rank_and_value, 1, nproc=1)
+
+
+def sleep_then_return(seconds):
+    print("started", flush=True)
+    time.sleep(seconds)
+    return "genuine"
+
+
+def test_a_run_directory_swapped_during_the_job_is_never_loaded(tmp_path):
+    handle = nbshard.submit(sleep_then_return, 3, nproc=1)
+    while "started" not in handle.logs(0):  # the rank runs
+        time.sleep(0.05)
+    # Another program renames the run away and puts its own, with a result that runs code when loaded.
+    marker = tmp_path / "attacker-code-ran"
+    moved = handle.run_dir.with_name(handle.run_dir.name + "-moved")
+    handle.run_dir.rename(moved)
+    handle.run_dir.mkdir(mode=0o700)
+    (handle.run_dir / "outcome.json").write_text('{"status": "succeeded", "ranks": [], "notes": [], "dropped_lines": {}}')
+    (handle.run_dir / "result-0.pkl").write_bytes(
+        b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
+    )
+    with pytest.raises(nbshard.JobError, match="was replaced while the job ran"):
+        handle.result(timeout=60)
+    assert not marker.exists()
+    shutil.rmtree(moved)
+
+
+@as_root
+def test_pruning_leaves_foreign_entries_alone_and_is_not_broken_by_them(runs_dir, monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "keep_runs", 0)
+    nbshard.run(programs.rank_and_value, 1, nproc=1)  # creates the runs directory
+    foreign = runs_dir / "20200101-000000-theirs-000000"
+    foreign.mkdir(mode=0o700)
+    (foreign / "outcome.json").write_text("{}")  # looks finished
+    os.chown(foreign / "outcome.json", NOBODY, NOBODY)
+    os.chown(foreign, NOBODY, NOBODY)
+    (runs_dir / "stray-file").write_text("not a run")
+    for _ in range(2):
+        assert nbshard.run(programs.rank_and_value, 3, nproc=2, return_all=True) == [0, 3]
+    assert foreign.exists() and (runs_dir / "stray-file").exists()
+
+
+def test_the_logs_of_a_pruned_run_say_so(monkeypatch):
+    handle = nbshard.submit(programs.rank_and_value, 1, nproc=1)
+    handle.result(timeout=60)
+    shutil.rmtree(handle.run_dir)
+    with pytest.raises(FileNotFoundError, match="was pruned"):
+        handle.logs(0)
+
+
+def test_a_runs_directory_path_too_long_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    deep = tmp_path
+    while len(str(deep)) < 4000:
+        deep = deep / ("d" * 200)
+    monkeypatch.setattr(nbshard.settings, "runs_dir", deep)
+    with pytest.raises(ValueError, match="path is too long"):
+        nbshard.submit(programs.rank_and_value, 1, nproc=1)
