@@ -6,6 +6,13 @@ lives only in the run directory. A frame with a bad or missing signature is
 dropped and counted, never decoded. Nothing is ever unpickled from a socket:
 results and errors travel as files.
 
+Each sender (the launcher, each rank's sampler) stamps its messages with its own
+random id and a count that only goes up (``from``, ``seq``); the receiver drops
+and counts a message whose count is not above the last one seen from that sender,
+so a captured frame replayed or reordered is never shown twice. The kernel's
+socket refuses frames over ``MAX_FRAME_BYTES`` (ZeroMQ closes such a peer before
+holding its frame), and senders drop their own messages over ``MAX_MESSAGE_BYTES``.
+
 Message kinds:
 
 - ``lines``: ``{"rank", "lines": [[time, stream, text, is_update], ...]}``;
@@ -30,6 +37,8 @@ import zmq
 
 __all__ = [
     "KEY_BYTES",
+    "MAX_FRAME_BYTES",
+    "MAX_MESSAGE_BYTES",
     "Receiver",
     "Sender",
     "decode",
@@ -40,6 +49,8 @@ __all__ = [
 KEY_BYTES = 32
 SEND_HWM = 1000  # messages queued per peer before sends start to drop
 LINGER_MS = 2000  # how long a closing sender may spend flushing
+MAX_MESSAGE_BYTES = 1 << 22  # 4 MiB: a sender drops a larger message of its own (lines come in 64 KiB reads)
+MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES  # what the kernel's socket takes from any peer
 
 
 def new_key() -> bytes:
@@ -74,10 +85,13 @@ class Receiver:
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.rejected = 0
+        self.rejected = 0  # frames dropped: unsigned, badly signed, replayed or out of order
+        self.replayed = 0  # of those, signed ones whose count was not new
+        self._last_seq: dict[str, int] = {}
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
 
@@ -91,11 +105,24 @@ class Receiver:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            message = decode(self.key, frames)
+            message = self._fresh(decode(self.key, frames))
             if message is None:
                 self.rejected += 1
             else:
                 messages.append(message)
+
+    def _fresh(self, message: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The message without its stamp, if it is the next one of its sender; else None."""
+        if message is None:
+            return None
+        sender, seq = message.pop("from", None), message.pop("seq", None)
+        if not isinstance(sender, str) or not isinstance(seq, int):
+            return None
+        if seq <= self._last_seq.get(sender, -1):
+            self.replayed += 1
+            return None
+        self._last_seq[sender] = seq
+        return message
 
     def close(self) -> None:
         self._socket.close()
@@ -106,6 +133,8 @@ class Sender:
 
     def __init__(self, address: str, key: bytes, linger_ms: int = LINGER_MS) -> None:
         self.key = key
+        self.id = secrets.token_hex(8)
+        self._seq = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -116,8 +145,12 @@ class Sender:
         """Queue ``message``, waiting at most ``wait`` seconds for room; False if dropped."""
         if wait and not self._socket.poll(int(wait * 1000), zmq.POLLOUT):
             return False
+        self._seq += 1
+        frames = encode(self.key, {**message, "from": self.id, "seq": self._seq})
+        if len(frames[1]) > MAX_MESSAGE_BYTES:
+            return False
         try:
-            self._socket.send_multipart(encode(self.key, message), zmq.NOBLOCK)
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True

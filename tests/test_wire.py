@@ -53,7 +53,7 @@ def test_unsigned_frames_are_dropped_and_counted():
     intruder.connect(receiver.address)
     intruder.send_multipart(encode(new_key(), {"kind": "end"}))  # signed with another key
     intruder.send_multipart([b'{"kind": "end"}'])  # no signature at all
-    intruder.send_multipart(encode(key, {"kind": "event", "ok": True}))
+    intruder.send_multipart(encode(key, {"kind": "event", "ok": True, "from": "a", "seq": 1}))
     messages = receive_all(receiver, 1)
     deadline = time.monotonic() + 2
     while receiver.rejected < 2 and time.monotonic() < deadline:
@@ -76,3 +76,66 @@ def test_sender_never_blocks_when_nobody_reads():
     receiver.close()
     assert not all(results), "a full queue must drop rather than grow without bound"
     assert elapsed < 10
+
+
+def test_replayed_and_reordered_frames_are_dropped_and_counted():
+    key = new_key()
+    receiver = Receiver(key)
+    tap = zmq.Context.instance().socket(zmq.PULL)  # capture genuine frames as an eavesdropper would
+    tap_port = tap.bind_to_random_port("tcp://127.0.0.1")
+    sender = Sender(f"tcp://127.0.0.1:{tap_port}", key)
+    for index in range(3):
+        sender.send({"kind": "lines", "rank": 0, "lines": [[1.0, "out", f"line {index}", False]]})
+    captured = [tap.recv_multipart() for _ in range(3)]
+    sender.close()
+    tap.close(0)
+    replayer = zmq.Context.instance().socket(zmq.PUSH)
+    replayer.connect(receiver.address)
+    for frames in (captured[0], captured[1], captured[0], captured[1], captured[2], captured[1]):
+        replayer.send_multipart(frames)
+    shown = receive_all(receiver, 3)
+    deadline = time.monotonic() + 2
+    while receiver.rejected < 3 and time.monotonic() < deadline:
+        shown += receiver.receive(0.1)
+    replayer.close(0)
+    receiver.close()
+    assert [m["lines"][0][2] for m in shown] == ["line 0", "line 1", "line 2"]  # each once, in order
+    assert receiver.rejected == receiver.replayed == 3
+
+
+def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
+    # The receiver runs in a process of its own so its peak memory is its own; any local user
+    # can connect to its loopback port and send whatever they like.
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    program = (
+        "import resource, sys, time\n"
+        "from nbshard.wire import Receiver, new_key\n"
+        "receiver = Receiver(new_key())\n"
+        "print(receiver.address, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+        "deadline = time.monotonic() + float(sys.argv[1])\n"
+        "while time.monotonic() < deadline:\n"
+        "    receiver.receive(0.1)\n"
+        "print(receiver.rejected, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, "-c", program, "8"], stdout=subprocess.PIPE, text=True,
+                              env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    try:
+        address, before_kib = kernel.stdout.readline().split()
+        flood = zmq.Context.instance().socket(zmq.PUSH)
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(address)
+        big = b"x" * (100 << 20)
+        for _ in range(3):  # three unsigned 100 MB frames
+            flood.send_multipart([b"sig", big])
+        time.sleep(3)
+        flood.close(0)
+        rejected, after_kib = kernel.stdout.readline().split()
+    finally:
+        kernel.kill()
+        kernel.wait()
+    grown_mib = (int(after_kib) - int(before_kib)) / 1024
+    assert grown_mib < 50, f"the kernel grew by {grown_mib:.0f} MiB"
