@@ -11,6 +11,7 @@ the kernel, reaches end-of-file). It writes ``outcome.json`` last.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import selectors
 import signal
@@ -37,6 +38,8 @@ PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 PORT_ATTEMPTS = 3
 END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
 CANCEL, KILL = b"c", b"k"  # what the kernel writes to the launcher's stdin
+KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def pick_port(preferred: int | None = None) -> int:
@@ -100,6 +103,7 @@ class Launcher:
         self.signalled: str | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = "cancelled"
@@ -227,6 +231,25 @@ class Launcher:
                 proc.stacks = dump
                 proc.log.write(f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
 
+    def watch_kernel(self, pid: int | None) -> int | None:
+        """Learn of the kernel's death from the kernel itself, not only from the pipe: a process
+        the notebook forked (a multiprocessing helper) holds the pipe's other end as well."""
+        if pid is None:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already (or no pidfd here): the pipe alone tells
+            pidfd = None
+        if pidfd is None or os.getppid() != pid:  # started by the kernel, so orphaned if it is not the parent
+            self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
+        if pidfd is not None:
+            self.selector.register(pidfd, selectors.EVENT_READ, KERNEL)
+        return pidfd
+
+    def kernel_died(self) -> None:
+        self.selector.unregister(self.kernel_pidfd)
+        self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
+
     def read_kernel_input(self, fd: int) -> None:
         data = os.read(fd, 64)
         if not data:  # the kernel is gone: nobody is waiting for this run
@@ -246,6 +269,8 @@ class Launcher:
             for key, _ in self.selector.select(TICK):
                 if key.data is None:
                     self.read_kernel_input(key.fd)
+                elif key.data is KERNEL:
+                    self.kernel_died()
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
@@ -273,6 +298,8 @@ class Launcher:
         timeout = self.spec["timeout"]
         deadline = time.monotonic() + timeout if timeout else float("inf")
         port = self.spec["master_port"]
+        if self.stop_reason is not None:  # the kernel was gone before any rank started
+            return self.outcome(port or 0)
         for attempt in range(PORT_ATTEMPTS):
             port = pick_port(port if attempt == 0 else None)
             self.start_ranks(port, attempt)
@@ -315,31 +342,68 @@ class Launcher:
     def close(self) -> None:
         for proc in self.ranks:
             proc.close()
-        _kill_process_group_except_self()
+        _kill_leftovers()
         self.sender.close()
 
 
-def _kill_process_group_except_self() -> None:
-    """SIGKILL what the ranks left behind in this process group (e.g. DataLoader workers).
-
-    Only when the launcher leads its own group, as it does when a backend
-    starts it; called in-process by a test, the group is not ours to clean.
-    """
-    me, group = os.getpid(), os.getpgrp()
-    if group != me:
-        return
+def _live_processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process not yet a zombie."""
+    table = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+        if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == group:  # fields after "(comm)": state, ppid, pgrp
-                os.kill(int(entry.name), signal.SIGKILL)
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp
+            if fields[0] != "Z":
+                table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return table
+
+
+def _kill_leftovers(within: float = 3.0) -> None:
+    """SIGKILL every process the ranks left behind: in this process group (DataLoader workers)
+    or anywhere below this launcher, new sessions included (it is their subreaper).
+
+    Only when the launcher leads its own group, as it does when a backend starts it;
+    called in-process by a test, these processes are not ours to clean.
+    """
+    me = os.getpid()
+    if os.getpgrp() != me:
+        return
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        table = _live_processes()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in table.items():
+            children.setdefault(parent, []).append(pid)
+        doomed = {pid for pid, (_, group) in table.items() if group == me and pid != me}
+        below = list(children.get(me, ()))
+        while below:
+            pid = below.pop()
+            doomed.add(pid)
+            below += children.get(pid, ())
+        if not doomed:
+            return
+        for pid in doomed:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in children.get(me, ()):  # orphans handed to this subreaper: reap them
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.02)
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of the ranks' descendants: a process they start in a new session
+    (``start_new_session=True``, a daemon) is handed to this launcher, not to init, when its
+    parent exits, so ``_kill_leftovers`` finds it."""
+    if os.getpgrp() == os.getpid():
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def main(run_dir: str) -> int:
     """Supervise the run in ``run_dir`` to its end; returns the exit code."""
     paths = RunDir(Path(run_dir))
+    _adopt_orphans()
     (paths.path / "launcher.pid").write_text(str(os.getpid()))
     launcher = Launcher(paths)
     try:

@@ -218,3 +218,18 @@ def grab_master_port_once(marker):
         blocker.listen()
     total = allreduce_sum().item()
     return total, os.environ["MASTER_PORT"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+
+
+def start_escaping_child(pid_file, then="return"):
+    """Start a process in a new session (as a daemon would), note its pid, then end as asked."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    with open(f"{pid_file}.{os.environ['RANK']}", "w") as file:
+        file.write(str(child.pid))
+    print("child started", flush=True)
+    if then == "raise":
+        raise RuntimeError("failing with a child in another session")
+    if then == "wait":
+        time.sleep(600)
+    return child.pid

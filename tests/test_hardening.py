@@ -12,7 +12,7 @@ import pytest
 
 import nbshard
 import programs
-from conftest import processes_of
+from conftest import processes_of, wait_until_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,3 +95,91 @@ def test_a_runs_directory_path_too_long_is_refused_before_anything_starts(tmp_pa
     monkeypatch.setattr(nbshard.settings, "runs_dir", deep)
     with pytest.raises(ValueError, match="path is too long"):
         nbshard.submit(programs.rank_and_value, 1, nproc=1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def escaped_children(pid_file: Path) -> list[int]:
+    """The pids of the children the ranks started in new sessions, once all have written them."""
+    deadline = time.monotonic() + 30
+    while len(found := sorted(pid_file.parent.glob(pid_file.name + ".*"))) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start their children"
+        time.sleep(0.05)
+    return [int(path.read_text()) for path in found]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.mark.parametrize("ending", ["return", "raise", "cancel"])
+def test_a_ranks_child_in_a_new_session_is_gone_within_5_s_however_the_job_ends(tmp_path, ending):
+    pid_file = tmp_path / "child"
+    handle = nbshard.submit(programs.start_escaping_child, str(pid_file), "wait" if ending == "cancel" else ending, nproc=2)
+    children = escaped_children(pid_file)
+    if ending == "cancel":
+        handle.cancel(wait=False)
+    handle.exception(timeout=60)
+    ended = time.monotonic()
+    try:
+        assert not gone_within(children, 5 - (time.monotonic() - ended))
+    finally:
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, 9)
+
+
+def test_a_ranks_child_in_a_new_session_dies_with_a_killed_kernel(script, runs_dir, tmp_path):
+    pid_file = tmp_path / "child"
+    kernel = script(
+        f"""
+        import nbshard, programs
+        handle = nbshard.submit(programs.start_escaping_child, {str(pid_file)!r}, "wait", nproc=2)
+        handle.watch()
+        """
+    )
+    children = escaped_children(pid_file)
+    kernel.process.kill()
+    killed = time.monotonic()
+    try:
+        assert not gone_within(children, 5.0)
+        assert not wait_until_gone(runs_dir, within=5 - (time.monotonic() - killed))
+    finally:
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, 9)
+
+
+def test_a_killed_kernel_with_a_forked_helper_still_takes_its_jobs_along(script, runs_dir):
+    # A multiprocessing child forked by the notebook holds the kernel's end of the launcher's
+    # pipe, so the pipe never closes: the launcher must watch the kernel itself.
+    kernel = script(
+        """
+        import multiprocessing, time, nbshard, programs
+        handle = nbshard.submit(programs.wait_in_collective, nproc=2)
+        helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=False)
+        helper.start()
+        print("helper", helper.pid, flush=True)
+        handle.watch()
+        """
+    )
+    helper = int(kernel.wait_for("helper").split()[1])
+    try:
+        kernel.wait_for("ready")
+        kernel.wait_for("ready")
+        run_dir = next(runs_dir.iterdir())
+        assert len(processes_of(run_dir)) == 3
+        kernel.process.kill()
+        assert not wait_until_gone(run_dir, within=5.0), "launcher or ranks outlived the kernel"
+        assert alive(helper)  # the notebook's own helper is not nbshard's to stop
+    finally:
+        os.kill(helper, 9)
