@@ -28,7 +28,10 @@ __all__ = ["JobHandle", "running_jobs"]
 
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
-LIVE_BACKLOG = 20_000  # lines kept while nobody watches; older ones are counted, not kept
+LIVE_BACKLOG = 20_000  # lines waiting to be shown; past that the oldest are counted, not kept
+LIVE_LINES_PER_TICK = 1_000  # lines written to the cell per 0.1 s: far more than a person reads, and
+# below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
+# cell (never from the log) and the cell says how many
 LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
 MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
 
@@ -65,8 +68,8 @@ class JobHandle:
         self._launcher = launcher
         self._receiver = receiver
         self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
-        self._watching = False
-        self._unshown = 0  # lines dropped from the live backlog while nobody watched
+        self._unshown = 0  # lines dropped from the live backlog (nobody watched, or too many to show)
+        self._unshown_said = 0  # of those, how many a note in the output has counted
         self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
@@ -159,9 +162,6 @@ class JobHandle:
         out = out or sys.stdout
         printer = LinePrinter(self.job.show_ranks)
         live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
-        self._watching = True
-        if self._unshown:
-            out.write(printer.note(f"{self._unshown} earlier lines are not shown here; handle.logs(rank) has them all"))
         next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
         try:
             while not self._done.wait(0.1):
@@ -182,8 +182,7 @@ class JobHandle:
                 self._done.wait()
             raise JobInterrupted(self.job.label, self._exception) from None
         finally:
-            self._watching = False
-            self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True))
+            self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
             out.write(printer.close())
             out.flush()
             if live is not None:
@@ -199,16 +198,24 @@ class JobHandle:
             f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views
         )
 
-    def _feed_live(self, sink: LinePrinter | TailView) -> list[Any]:
-        """Hand the lines and notes that arrived since the last call to ``sink`` (one consumer at a time)."""
+    def _feed_live(self, sink: LinePrinter | TailView, most: int | None = None) -> list[Any]:
+        """Hand at most ``most`` of the lines and notes that arrived since the last call to
+        ``sink`` (one consumer at a time), after a note of any it will never see."""
         fed = []
-        while self._live:
+        unshown = self._unshown
+        if unshown > self._unshown_said:
+            fed.append(sink.note(
+                f"{unshown - self._unshown_said} lines were not shown here (more than a notebook can show "
+                f"as they came); handle.logs(rank) has every line, the full logs are in {self.run_dir}"
+            ))
+            self._unshown_said = unshown
+        while self._live and (most is None or len(fed) < most):
             rank, item = self._live.popleft()
             fed.append(sink.note(item) if isinstance(item, str) else sink.line(rank, *item[1:]))
         return fed
 
-    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None) -> None:
-        chunks = self._feed_live(printer)
+    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None, most: int | None = LIVE_LINES_PER_TICK) -> None:
+        chunks = self._feed_live(printer, most)
         if text:
             chunks.append(printer.note(text))
         if chunks:
@@ -225,7 +232,6 @@ class JobHandle:
         """
         tail = TailView(self.job.show_ranks)
         live = LiveDisplay(lambda: self._render_view(tail))
-        self._watching = True
         lock = threading.Lock()
 
         def update(_: Any = None) -> None:
@@ -294,10 +300,9 @@ class JobHandle:
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
             self._live.append((-1, str(message["text"])))
-        if not self._watching:
-            while len(self._live) > LIVE_BACKLOG:
-                self._live.popleft()
-                self._unshown += 1
+        while len(self._live) > LIVE_BACKLOG:
+            self._live.popleft()
+            self._unshown += 1
         return kind == "end"
 
     def _note_dropped(self, rank: int, count: int) -> None:

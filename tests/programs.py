@@ -233,3 +233,14 @@ def start_escaping_child(pid_file, then="return"):
     if then == "wait":
         time.sleep(600)
     return child.pid
+
+
+def flood(lines):
+    """Print ``lines`` short lines as fast as Python can."""
+    import sys
+
+    write = sys.stdout.write
+    for index in range(lines):
+        write(f"flood line {index}\n")
+    sys.stdout.flush()
+    return lines

@@ -12,7 +12,7 @@ import pytest
 
 import nbshard
 import programs
-from conftest import processes_of, wait_until_gone
+from conftest import REPO, processes_of, wait_until_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -183,3 +183,25 @@ def test_a_killed_kernel_with_a_forked_helper_still_takes_its_jobs_along(script,
         assert alive(helper)  # the notebook's own helper is not nbshard's to stop
     finally:
         os.kill(helper, 9)
+
+
+def peak_memory_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_a_flood_of_lines_keeps_the_kernel_bounded_and_says_what_it_did_not_show(kernel):
+    setup = f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport nbshard, programs\n"
+    assert kernel.execute(setup + "nbshard.run(programs.rank_and_value, 1, nproc=2)").status == "ok"
+    before = peak_memory_kib(kernel.pid)
+    result = kernel.execute("handle = nbshard.submit(programs.flood, 400_000, nproc=2)\nhandle.watch()", timeout=170)
+    assert result.status == "ok", result.traceback
+    grown_mib = (peak_memory_kib(kernel.pid) - before) / 1024
+    shown = result.stdout.count("flood line")
+    logs = kernel.execute("print(sum(handle.logs(r).count('flood line') for r in (0, 1)))")
+    assert logs.stdout.strip() == "800000"  # the logs on disk are complete
+    assert grown_mib < 120, f"the kernel grew by {grown_mib:.0f} MiB"
+    # Past what a person can read (and Jupyter's own rate limit), lines are dropped from the cell, and it says so.
+    assert shown < 800_000 and "not shown" in result.stdout, result.stdout[-2000:]
