@@ -28,10 +28,10 @@ __all__ = ["JobHandle", "running_jobs"]
 
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
-LIVE_BACKLOG = 20_000  # lines waiting to be shown; past that the oldest are counted, not kept
-LIVE_LINES_PER_TICK = 1_000  # lines written to the cell per 0.1 s: far more than a person reads, and
-# below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
-# cell (never from the log) and the cell says how many
+LIVE_BACKLOG = 100_000  # lines waiting to be shown (about 25 MB); past that the oldest are counted, not kept
+LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far more than a person reads,
+# and below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
+# cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
 LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
 MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
 
@@ -70,6 +70,7 @@ class JobHandle:
         self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
         self._unshown = 0  # lines dropped from the live backlog (nobody watched, or too many to show)
         self._unshown_said = 0  # of those, how many a note in the output has counted
+        self._lines_waiting = threading.Event()  # set when the backlog fills up, to wake a reader
         self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
@@ -163,9 +164,10 @@ class JobHandle:
         printer = LinePrinter(self.job.show_ranks)
         live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
         next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
+        most = LIVE_LINES_PER_TICK if live is not None else None
         try:
-            while not self._done.wait(0.1):
-                self._print_live(printer, out)
+            while not self._wait_for_lines(timed=live is not None):
+                self._print_live(printer, out, most=most)
                 if live is not None:
                     live.update(LIVE_VIEW_INTERVAL)
                 elif time.monotonic() > next_memory_text:
@@ -188,6 +190,14 @@ class JobHandle:
             if live is not None:
                 live.update()  # the summary stays in the cell
 
+    def _wait_for_lines(self, timed: bool) -> bool:
+        """Wait 0.1 s (``timed``: a notebook's pace) or until lines pile up; True once the job ended."""
+        if timed:
+            return self._done.wait(0.1)
+        self._lines_waiting.wait(0.1)
+        self._lines_waiting.clear()
+        return self._done.is_set()
+
     def _memory_text(self, peak: bool) -> str | None:
         """One line of each rank's memory (now, or its peak), or None before any sample."""
         views = [v for v in self._telemetry.views() if v.device]
@@ -205,8 +215,8 @@ class JobHandle:
         unshown = self._unshown
         if unshown > self._unshown_said:
             fed.append(sink.note(
-                f"{unshown - self._unshown_said} lines were not shown here (more than a notebook can show "
-                f"as they came); handle.logs(rank) has every line, the full logs are in {self.run_dir}"
+                f"{unshown - self._unshown_said} lines were not shown live (more came than could be shown); "
+                f"handle.logs(rank) has every line, the full logs are in {self.run_dir}"
             ))
             self._unshown_said = unshown
         while self._live and (most is None or len(fed) < most):
@@ -300,6 +310,8 @@ class JobHandle:
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
             self._live.append((-1, str(message["text"])))
+        if len(self._live) > LIVE_BACKLOG // 8:
+            self._lines_waiting.set()
         while len(self._live) > LIVE_BACKLOG:
             self._live.popleft()
             self._unshown += 1
@@ -358,6 +370,7 @@ class JobHandle:
             _running.discard(self)
         with self._callbacks_lock:
             self._done.set()
+            self._lines_waiting.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             try:
