@@ -21,7 +21,7 @@ from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
 from nbshard.job import Job, RunDir
 from nbshard.outcome import collect, read_outcome
-from nbshard.telemetry import Telemetry, to_frame
+from nbshard.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
 
 __all__ = ["JobHandle", "running_jobs"]
@@ -80,6 +80,7 @@ class JobHandle:
         self._callbacks_lock = threading.Lock()
         self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
         self._telemetry = Telemetry(nproc)
+        self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
         self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
         with _running_lock:
             _running.add(self)
@@ -271,9 +272,15 @@ class JobHandle:
         return to_frame(records) if frame else records
 
     def metrics(self, frame: bool = False) -> Any:
-        """What ranks sent with ``nbshard.log_metrics``: records of rank, time, step and values."""
-        records = self._telemetry.metrics()
-        return to_frame(records) if frame else records
+        """What ranks sent with ``nbshard.log_metrics``: records of rank, time, step and values.
+
+        Once the job ended, every record, read from the run directory; while it runs, the
+        newest ones that arrived live (up to 100,000).
+        """
+        if self.done() and self._all_metrics is None and self.run_dir.exists():
+            self._all_metrics = read_metrics_files([self._paths.metrics(rank) for rank in range(self.nproc)])
+        records = self._all_metrics if self._all_metrics is not None else self._telemetry.metrics()
+        return to_frame(records) if frame else list(records)
 
     def peak_memory(self) -> dict[int, dict[str, int | None]]:
         """Per rank: peak resident CPU memory, and peak GPU memory allocated / held (bytes)."""

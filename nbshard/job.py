@@ -177,6 +177,10 @@ class RunDir:
         """Where a rank's faulthandler writes its threads' stacks when the launcher asks."""
         return self.path / f"stacks-{rank}.txt"
 
+    def metrics(self, rank: int) -> Path:
+        """Every ``log_metrics`` record of a rank, one JSON object a line (the wire may drop some)."""
+        return self.path / f"metrics-{rank}.jsonl"
+
     def result(self, rank: int) -> Path:
         return self.path / f"result-{rank}.pkl"
 

@@ -8,6 +8,7 @@ when installed, for what the process really holds on the device.
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 import resource
@@ -120,9 +121,11 @@ def sample_memory() -> dict[str, Any]:
 class Monitor:
     """One per rank: sends a memory sample every ``interval`` seconds, and user metrics."""
 
-    def __init__(self, address: str, key: bytes, rank: int, interval: float | None) -> None:
+    def __init__(self, address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None) -> None:
         self.rank = rank
         self._sender = Sender(address, key, linger_ms=LINGER_MS)
+        # Every metric also goes to a file in the run directory: the wire may drop under load, the file never.
+        self._metrics_file = open(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115
         self._lock = threading.Lock()  # the socket is shared by the sampler and user code
         self._stop = threading.Event()
         self._interval = interval
@@ -134,6 +137,8 @@ class Monitor:
     def send(self, message: dict[str, Any]) -> None:
         message.update(rank=self.rank, time=time.time())
         with self._lock:
+            if self._metrics_file is not None and message["kind"] == "metrics":
+                self._metrics_file.write(json.dumps(message, separators=(",", ":")) + "\n")
             self._sender.send(message)
 
     def send_sample(self) -> None:
@@ -154,12 +159,14 @@ class Monitor:
             self._thread.join(timeout=1.0)
             self.send_sample()
         with self._lock:
+            if self._metrics_file is not None:
+                self._metrics_file.close()
             self._sender.close()
 
 
-def start(address: str, key: bytes, rank: int, interval: float | None) -> Monitor:
+def start(address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None) -> Monitor:
     global _active
-    _active = Monitor(address, key, rank, interval)
+    _active = Monitor(address, key, rank, interval, metrics_path)
     return _active
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from typing import Any
 
 from nbshard.display import RankView
 
-__all__ = ["Telemetry", "to_frame"]
+__all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "to_frame"]
 
 HISTORY = 120  # memory points per rank kept for the live plot
+KEPT = 100_000  # memory and metrics records kept in the kernel while a job runs (the newest)
 
 
 def _records_of_sample(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -30,13 +32,34 @@ def _records_of_sample(message: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def metrics_record(message: dict[str, Any]) -> dict[str, Any]:
+    """One flat record of a ``metrics`` message (off the wire, or a line of a rank's metrics file)."""
+    return {"rank": message["rank"], "time": message["time"], "step": message.get("step"), **message.get("values", {})}
+
+
+def read_metrics_files(paths: list[Any]) -> list[dict[str, Any]]:
+    """Every record of the ranks' metrics files, in time order; a torn last line is skipped."""
+    records = []
+    for path in paths:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                records.append(metrics_record(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return sorted(records, key=lambda record: record["time"])
+
+
 class Telemetry:
     """Filled from the wire by the handle's thread; read by anyone (it locks)."""
 
     def __init__(self, nproc: int) -> None:
         self.nproc = nproc
-        self._memory: list[dict[str, Any]] = []
-        self._metrics: list[dict[str, Any]] = []
+        self._memory: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEPT)
+        self._metrics: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEPT)
         self._history: dict[int, collections.deque[float]] = {r: collections.deque(maxlen=HISTORY) for r in range(nproc)}
         self._latest: dict[int, dict[str, Any]] = {}
         self._peak: dict[int, float] = {}
@@ -60,7 +83,7 @@ class Telemetry:
                 self._peak[rank] = max(self._peak.get(rank, 0.0), shown, float(true_peak))
             else:
                 values = message.get("values", {})
-                self._metrics.append({"rank": rank, "time": message["time"], "step": message.get("step"), **values})
+                self._metrics.append(metrics_record(message))
                 self._last_metrics.setdefault(rank, {}).update(values)
                 if message.get("step") is not None:
                     self._last_metrics[rank]["step"] = message["step"]

@@ -148,7 +148,7 @@ def _write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "
 
 def _start_monitor(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> None:
     try:
-        monitor.start(launch["address"], run_dir.key.read_bytes(), rank, launch["sample_interval"])
+        monitor.start(launch["address"], run_dir.key.read_bytes(), rank, launch["sample_interval"], str(run_dir.metrics(rank)))
     except Exception as error:  # noqa: BLE001 - telemetry must never fail a job
         print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
 

@@ -144,3 +144,32 @@ def test_the_sampler_survives_a_job_that_imports_torch_under_it():
             assert len(times) >= 20, f"rank {rank} sent {len(times)} samples"
             # samples kept coming after the import: the thread lived to the end
             assert max(times) >= handle.ended - 5 and max(times) > min(times) + 0.5
+
+
+def log_many(count):
+    import nbshard
+
+    for step in range(count):
+        nbshard.log_metrics(step=step, loss=1.0 / (step + 1))
+    return count
+
+
+def test_every_metric_is_kept_even_when_the_wire_drops_some():
+    # 100,000 records a rank as fast as Python logs them: more than the wire's queue holds.
+    handle = nbshard.submit(log_many, 100_000, nproc=2, sample_interval=None)
+    handle.result(timeout=120)
+    records = handle.metrics()
+    for rank in (0, 1):
+        steps = [r["step"] for r in records if r["rank"] == rank]
+        assert steps == list(range(100_000))
+    assert records[-1]["loss"] == pytest.approx(1 / 100_000)
+
+
+def test_the_kernel_keeps_a_bounded_number_of_live_records():
+    from nbshard.telemetry import KEPT
+
+    telemetry = Telemetry(nproc=1)
+    for step in range(KEPT + 500):
+        telemetry.add({"kind": "metrics", "rank": 0, "time": float(step), "step": step, "values": {"loss": 1.0}})
+    kept = telemetry.metrics()
+    assert len(kept) == KEPT and kept[-1]["step"] == KEPT + 499  # the newest
