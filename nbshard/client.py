@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import errno
 import os
 import secrets
 import shutil
@@ -147,10 +148,15 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
             "sample_interval": job.sample_interval, "kernel_pid": os.getpid(),
         })
         launcher = start(run_dir, launch_environment(kernel_env, gpus=job.gpus, extra=job.env), cwd)
-    except BaseException:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
+    except BaseException as error:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
         if receiver is not None:
             receiver.close()
         shutil.rmtree(run_dir.path, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(error.errno, (
+                f"nbshard could not write the job into {settings.runs_dir}: {error.strerror}. Free space "
+                "there, or set NBSHARD_RUNS_DIR (or nbshard.settings.runs_dir) to another filesystem."
+            )) from error
         raise
     return JobHandle(job, nproc, run_dir, launcher, receiver)
 

@@ -81,6 +81,7 @@ class JobHandle:
         self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
         self._telemetry = Telemetry(nproc)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
+        self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
         self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
         with _running_lock:
             _running.add(self)
@@ -322,6 +323,8 @@ class JobHandle:
         while len(self._live) > LIVE_BACKLOG:
             self._live.popleft()
             self._unshown += 1
+        if kind == "end":
+            self._storage_error = message.get("storage_error")
         return kind == "end"
 
     def _note_dropped(self, rank: int, count: int) -> None:
@@ -365,7 +368,7 @@ class JobHandle:
                 self._note_unreported_drops(outcome)
                 self._value, self._exception = collect(
                     files, self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
-                    timeout=self.job.timeout, launcher_exit=self._launcher.poll(),
+                    timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
                 )
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))

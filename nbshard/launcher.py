@@ -60,7 +60,7 @@ class Rank:
     def __init__(self, rank: int, popen: subprocess.Popen[bytes], log_path: Path) -> None:
         self.rank = rank
         self.popen = popen
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
         self.pipes = (popen.stdout, popen.stderr)
         self.splitters = {pipe.fileno(): LineSplitter(name) for pipe, name in zip(self.pipes, ("out", "err"))}
         self.open_fds = set(self.splitters)
@@ -101,6 +101,7 @@ class Launcher:
         self.first_failure: int | None = None
         self.term_at = self.kill_at = float("inf")
         self.signalled: str | None = None
+        self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
@@ -158,7 +159,7 @@ class Launcher:
         except BlockingIOError:
             return
         if data:
-            proc.log.write(data)
+            self.to_log(proc, data)
         else:
             self.selector.unregister(fd)
             proc.open_fds.discard(fd)
@@ -166,7 +167,6 @@ class Launcher:
 
     def send_open_lines(self, now: float) -> None:
         for proc in self.ranks:
-            proc.log.flush()
             self.send_lines(proc.rank, [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None])
 
     def send_lines(self, rank: int, lines: list[list[Any]]) -> None:
@@ -216,12 +216,23 @@ class Launcher:
             for proc in self.ranks:
                 proc.signal(signal.SIGKILL)
 
+    def to_log(self, proc: Rank, data: bytes) -> None:
+        """Append to the rank's log; a log that cannot be kept (a full disk) stops the job, since
+        its output would be lost, and says why."""
+        try:
+            proc.log.write(data)
+        except OSError as error:
+            if self.storage_error is None:
+                self.storage_error = f"{error.strerror} while writing {proc.log.name}"
+                self.note(f"stopping the job: {self.storage_error}")
+                self.request_stop("failed", stacks=False, grace=self.spec["grace"])
+
     def log_error(self, proc: Rank) -> None:
         """The traceback of a rank that raised, at the end of its log."""
         with contextlib.suppress(OSError, ValueError, AttributeError):
             text = read_json(self.run_dir.error(proc.rank)).get("traceback", "")
             if text:
-                proc.log.write(f"\n[nbshard] this rank raised:\n{text}".encode())
+                self.to_log(proc, f"\n[nbshard] this rank raised:\n{text}".encode())
 
     def keep_stacks(self, proc: Rank) -> None:
         """The stacks the rank dumped on request: for the outcome, and at the end of its log."""
@@ -229,7 +240,7 @@ class Launcher:
             dump = self.run_dir.stacks(proc.rank).read_text(errors="replace")
             if "\n" in dump.rstrip():  # more than the header: the rank answered
                 proc.stacks = dump
-                proc.log.write(f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
+                self.to_log(proc, f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
 
     def watch_kernel(self, pid: int | None) -> int | None:
         """Learn of the kernel's death from the kernel itself, not only from the pipe: a process
@@ -326,6 +337,7 @@ class Launcher:
             status = self.stop_reason
         return {
             "status": status,
+            "storage_error": self.storage_error,
             "first_failure": self.first_failure,
             "master_port": port,
             "notes": self.notes,
@@ -408,11 +420,14 @@ def main(run_dir: str) -> int:
     launcher = Launcher(paths)
     try:
         outcome = launcher.run()
-        write_json(paths.outcome, outcome)
+        try:
+            write_json(paths.outcome, outcome)
+        except OSError as error:  # the kernel learns why from the last message instead
+            outcome["storage_error"] = outcome["storage_error"] or f"{error.strerror} while writing {paths.outcome}"
         # The last words may wait a little for a slow kernel, never long: the files hold the truth.
         for rank in list(launcher.dropped):
             launcher.send_dropped_notice(rank, wait=END_SEND_WAIT)
-        launcher.send({"kind": "end", "status": outcome["status"]}, wait=END_SEND_WAIT)
+        launcher.send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=END_SEND_WAIT)
     finally:
         launcher.close()
     return 0

@@ -67,9 +67,24 @@ def collect(
     return_all: bool,
     timeout: float | None,
     launcher_exit: int | None,
+    storage_error: str | None = None,
 ) -> tuple[Any, JobError | None]:
-    """(value, None) for a job that succeeded, else (None, the exception to raise)."""
+    """(value, None) for a job that succeeded, else (None, the exception to raise).
+
+    ``storage_error``: why the launcher could not write the run's files, as its last message
+    said (when it could not write ``outcome.json`` either).
+    """
     where = str(run_dir.path)
+    storage_error = (outcome or {}).get("storage_error") or storage_error
+    if storage_error:
+        failures = _rank_failures(files, run_dir, outcome["ranks"]) if outcome else []
+        return None, JobFailed(
+            f"The job was stopped because its files could not be written: {storage_error}. Likely "
+            f"cause: the filesystem of the run directory is full (or over quota), so the ranks' logs "
+            "and results could not be kept. Free space there, or set NBSHARD_RUNS_DIR (or "
+            "nbshard.settings.runs_dir) to a directory on another filesystem.",
+            failures, where,
+        )
     if outcome is None:
         how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
         return None, JobFailed(

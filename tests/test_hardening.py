@@ -205,3 +205,35 @@ def test_a_flood_of_lines_keeps_the_kernel_bounded_and_says_what_it_did_not_show
     assert grown_mib < 120, f"the kernel grew by {grown_mib:.0f} MiB"
     # Past what a person can read (and Jupyter's own rate limit), lines are dropped from the cell, and it says so.
     assert shown < 800_000 and "not shown" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB filesystem of the test's own (tmpfs), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir(mode=0o700)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.decode().strip()}")
+    yield mount
+    wait_until_gone(mount, within=5.0)
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_job_says_so_and_stops_the_ranks(small_disk, monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "runs_dir", small_disk / "runs")
+    handle = nbshard.submit(programs.flood, 400_000, nproc=2)  # about 10 MB of logs on a 2 MiB disk
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=120)
+    message = str(caught.value)
+    assert "could not be written: No space left on device" in message and "NBSHARD_RUNS_DIR" in message
+    assert "crashed" not in message
+    assert not wait_until_gone(small_disk, within=5.0)
+
+
+def test_a_full_disk_at_submit_says_so_and_leaves_nothing_behind(small_disk, monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "runs_dir", small_disk / "runs")
+    big = b"x" * (3 << 20)  # the job itself does not fit
+    with pytest.raises(OSError, match="could not write the job into .*No space left on device"):
+        nbshard.submit(len, big, nproc=1)
+    assert list((small_disk / "runs").iterdir()) == []
