@@ -6,19 +6,26 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OpenedDir", "RunDirReplaced", "identity", "make_private_dirs", "read_json", "write_atomic", "write_json"]
+__all__ = ["OpenedDir", "RunDirReplaced", "identity", "make_private_dirs", "read_json", "write_atomic", "write_atomic_with", "write_json"]
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write ``data`` to a temporary file beside ``path``, then rename it into place."""
+    write_atomic_with(path, lambda file: file.write(data), mode)
+
+
+def write_atomic_with(path: Path, write: Callable[[Any], object], mode: int = 0o600) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then rename it into place
+    (for large data written as it is made, never held whole)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         with os.fdopen(fd, "wb") as file:
-            file.write(data)
+            write(file)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

@@ -6,6 +6,7 @@ never one put at its path since.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any
 
@@ -49,8 +50,17 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]
     return sorted(failures, key=lambda f: (f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
-def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range) -> list[Any]:
-    return [pickle.loads(files.read_bytes(run_dir.result(rank))) for rank in ranks]
+def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, nproc: int) -> list[Any]:
+    """The ranks' values, each read as a stream; then every result file goes (the values live on,
+    and a large one should not fill the disk for as long as the run directory is kept)."""
+    values = []
+    for rank in ranks:
+        with files.open(run_dir.result(rank)) as file:
+            values.append(pickle.load(file))
+    for rank in range(nproc):
+        with contextlib.suppress(OSError):
+            files.unlink(run_dir.result(rank))
+    return values
 
 
 def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:
@@ -96,7 +106,7 @@ def collect(
     status = outcome["status"]
     if status == "succeeded":
         try:
-            values = _load_values(files, run_dir, range(nproc) if return_all else range(1))
+            values = _load_values(files, run_dir, range(nproc) if return_all else range(1), nproc)
         except Exception as error:  # noqa: BLE001 - reported with its cause
             failed = JobFailed(
                 f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "

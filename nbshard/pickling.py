@@ -21,7 +21,11 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
-__all__ = ["RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable"]
+from nbshard.files import write_atomic_with
+
+__all__ = [
+    "RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable", "write_result",
+]
 
 _MAX_DEPTH = 6
 
@@ -222,6 +226,9 @@ class _ResultPickler(_Pickler):
                     "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
                     "cpu_offload=True)) from rank 0."
                 )
+            reduced = _tensor_as_buffer(torch, obj)
+            if reduced is not None:
+                return reduced
             if obj.device.type not in ("cpu", "meta"):
                 cpu = obj.detach().cpu()
                 if isinstance(obj, torch.nn.Parameter):
@@ -230,10 +237,49 @@ class _ResultPickler(_Pickler):
         return super().reducer_override(obj)
 
 
-def dump_result(value: Any, path: str = "the returned value") -> bytes:
-    """The pickled result of a rank; TypeError naming the culprit (under ``path``) if it cannot be pickled."""
+def _tensor_as_buffer(torch: Any, tensor: Any) -> Any:
+    """A dense tensor (on the CPU once moved there) pickled as its raw bytes, written straight
+    from its memory and read back into one buffer the tensor then uses: about its own size on
+    each side, where torch's own pickling holds three copies. None for other kinds of tensor."""
+    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
+    if not plain or tensor.device.type == "meta" or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
+        return None
     try:
-        return _dumps(value, _ResultPickler)
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # no numpy here, or a dtype numpy cannot view
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    return _tensor_from_buffer, (pickle.PickleBuffer(raw), dtype, tuple(tensor.shape), tensor.requires_grad, parameter)
+
+
+def _tensor_from_buffer(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
+    import torch
+
+    if not isinstance(buffer, bytearray):  # read-only memory would make torch warn, and copy anyway
+        buffer = bytearray(buffer)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+    tensor = flat.view(getattr(torch, dtype)).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_() if requires_grad else tensor
+
+
+def write_result(path: Any, value: Any) -> None:
+    """Pickle a rank's result straight into ``path`` (atomically); TypeError naming the culprit."""
+    write_atomic_with(path, lambda file: _dump_result_into(file, value, "the returned value"))
+
+
+def dump_result(value: Any, path: str = "the returned value") -> bytes:
+    """The pickled result of a rank as bytes; TypeError naming the culprit (under ``path``)."""
+    buffer = io.BytesIO()
+    _dump_result_into(buffer, value, path)
+    return buffer.getvalue()
+
+
+def _dump_result_into(file: Any, value: Any, path: str) -> None:
+    try:
+        _ResultPickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except _DTensorResult as error:
         raise TypeError(f"Cannot send {path} back: {error}") from None
     except Exception as error:

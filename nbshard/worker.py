@@ -154,7 +154,7 @@ def _start_monitor(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> None:
 
 
 def _run(run_dir: RunDir, rank: int) -> int:
-    from nbshard.pickling import dump_result
+    from nbshard.pickling import write_result
 
     launch = read_json(run_dir.launch)
     _use_kernel_path(launch["sys_path"])
@@ -181,7 +181,7 @@ def _run(run_dir: RunDir, rank: int) -> int:
         return 1
     keep = rank == 0 or launch["return_all"]
     try:
-        write_atomic(run_dir.result(rank), dump_result(value if keep else None))
+        write_result(run_dir.result(rank), value if keep else None)
     except Exception as error:  # noqa: BLE001
         _write_error(run_dir, rank, error.with_traceback(None))
         return 1

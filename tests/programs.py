@@ -244,3 +244,13 @@ def flood(lines):
         write(f"flood line {index}\n")
     sys.stdout.flush()
     return lines
+
+
+def big_result(megabytes):
+    """A tensor of ``megabytes``, and this rank's resident memory just before returning it."""
+    import torch
+
+    tensor = torch.ones(megabytes * 1024 * 1024 // 4)
+    with open("/proc/self/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return tensor, resident

@@ -237,3 +237,25 @@ def test_a_full_disk_at_submit_says_so_and_leaves_nothing_behind(small_disk, mon
     with pytest.raises(OSError, match="could not write the job into .*No space left on device"):
         nbshard.submit(len, big, nproc=1)
     assert list((small_disk / "runs").iterdir()) == []
+
+
+def test_a_large_result_costs_about_its_own_size_on_each_side_and_does_not_linger(script, runs_dir):
+    size_mib = 300
+    kernel = script(
+        f"""
+        import resource, torch, nbshard, programs
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        handle = nbshard.submit(programs.big_result, {size_mib}, nproc=1, sample_interval=0.05)
+        tensor, rank_resident = handle.result(timeout=120)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        rank_peak = handle.peak_memory()[0]["cpu_peak_rss"]
+        print("sizes", tensor.numel() * 4 >> 20, grown >> 10, (rank_peak - rank_resident) >> 20, float(tensor.sum()), flush=True)
+        print("files", sorted(p.name for p in handle.run_dir.iterdir() if p.name.startswith("result")), flush=True)
+        """
+    )
+    result_mib, kernel_grown_mib, rank_extra_mib, total = kernel.wait_for("sizes", timeout=150).split()[1:]
+    assert int(result_mib) == size_mib and float(total) == size_mib * 1024 * 1024 // 4
+    assert int(kernel_grown_mib) < 1.3 * size_mib, f"the kernel grew by {kernel_grown_mib} MiB for a {size_mib} MiB result"
+    assert int(rank_extra_mib) < 0.3 * size_mib, f"writing the result took {rank_extra_mib} MiB more in the rank"
+    assert kernel.wait_for("files").strip() == "files []"  # loaded, then removed from the run directory
+    assert kernel.finish()[0] == 0

@@ -65,3 +65,26 @@ def test_results_keep_their_values():
 def test_an_unpicklable_result_is_named():
     with pytest.raises(TypeError, match=r"the returned value\['lock'\]"):
         dump_result({"lock": threading.Lock()})
+
+
+def test_result_tensors_come_back_equal_in_every_shape_and_kind():
+    import torch
+
+    values = {
+        "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "view": torch.arange(12.0).reshape(3, 4).t()[1:],  # not contiguous
+        "int64": torch.arange(5),
+        "complex": torch.tensor([1 + 2j]),
+        "param": torch.nn.Parameter(torch.ones(2, 2)),
+        "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+    }
+    back = pickle.loads(dump_result(values))
+    for name, tensor in values.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert torch.equal(back[name].detach(), tensor.detach()), name
+        assert back[name].requires_grad == tensor.requires_grad, name
+        assert type(back[name]) is type(tensor), name
+    back["int64"][0] = 7  # writable, with memory of its own
