@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-from nbshard.client import JobHandle, Settings, cancel_all, jobs, run, settings, submit
+from nbshard.client import JobHandle, Settings, TooManyRanks, cancel_all, jobs, run, settings, submit
 from nbshard.dist import device, init_process_group
-from nbshard.errors import JobCancelled, JobError, JobFailed, JobTimedOut, RankFailure, RemoteError
+from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError
 from nbshard.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.job import Job
 from nbshard.monitor import log_metrics
@@ -18,11 +18,13 @@ __all__ = [
     "JobError",
     "JobFailed",
     "JobHandle",
+    "JobInterrupted",
     "JobTimedOut",
     "KernelHoldsCUDA",
     "RankFailure",
     "RemoteError",
     "Settings",
+    "TooManyRanks",
     "cancel_all",
     "check_kernel",
     "device",

@@ -15,6 +15,7 @@ import shutil
 import stat
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from nbshard.job import Job, RunDir, launch_environment
 from nbshard.pickling import dump_job
 from nbshard.wire import Receiver, new_key
 
-__all__ = ["JobHandle", "Settings", "cancel_all", "jobs", "run", "settings", "submit"]
+__all__ = ["JobHandle", "Settings", "TooManyRanks", "cancel_all", "jobs", "run", "settings", "submit"]
 
 def _default_runs_dir() -> Path:
     if "NBSHARD_RUNS_DIR" in os.environ:
@@ -114,6 +115,22 @@ def _launcher_gone(path: Path) -> bool:
     return False
 
 
+class TooManyRanks(UserWarning):
+    """More ranks than this machine can run side by side."""
+
+
+def _warn_if_oversubscribed(nproc: int, gpus: int) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    if nproc > max(2 * cpus, gpus):
+        warnings.warn(
+            f"nproc={nproc} starts {nproc} processes on a machine with {cpus} CPUs available"
+            f"{f' and {gpus} GPUs' if gpus else ' and no GPU'}: they will crowd each other (and each "
+            "holds its own copy of torch in memory). Use nproc <= the number of GPUs, or a few per CPU "
+            "core for CPU jobs; to use more machines, see the backends.",
+            TooManyRanks, stacklevel=3,
+        )
+
+
 def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> JobHandle:
     """Start ``target(*args)`` on ``nproc`` fresh ranks and return at once.
 
@@ -133,6 +150,7 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     warn_if_kernel_holds_cuda()
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
+    _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
     payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
     run_dir = _new_run_dir(job.label)
     receiver = None

@@ -14,12 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbshard import launcher as launcher_commands
 from nbshard.backends import LauncherProcess
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
-from nbshard.job import Job, RunDir
+from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir
 from nbshard.outcome import collect, read_outcome
 from nbshard.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
@@ -118,8 +117,8 @@ class JobHandle:
         """
         if self.done():
             return False
-        self._launcher.request(launcher_commands.CANCEL)
-        deadline = time.monotonic() + launcher_commands.STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN
+        self._launcher.request(CANCEL)
+        deadline = time.monotonic() + STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN
         self._kill_at = min(self._kill_at, deadline)
         if wait:
             self._done.wait()
@@ -127,7 +126,7 @@ class JobHandle:
 
     def kill(self) -> None:
         """Stop the job at once with SIGKILL, without stacks or a grace period."""
-        self._launcher.request(launcher_commands.KILL)
+        self._launcher.request(KILL)
         self._kill_at = min(self._kill_at, time.monotonic() + KILL_MARGIN)
 
     def logs(self, rank: int | None = None) -> str:

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CANCEL",
+    "KILL",
+    "STACK_DUMP_WAIT",
     "Job",
     "RunDir",
     "TORCHRUN_VARIABLES",
@@ -43,6 +46,12 @@ TORCHRUN_VARIABLES = (
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
 )
+
+# The kernel's words to a launcher (bytes on its stdin), and how long ranks get to dump their
+# stacks when stopped. Here, not in launcher.py, so the kernel never imports the launcher module
+# (``python -m nbshard.launcher`` would then run a second copy of it).
+CANCEL, KILL = b"c", b"k"
+STACK_DUMP_WAIT = 0.5
 
 # Variables a Jupyter kernel sets for itself (JPY_PARENT_PID, JPY_SESSION_NAME, ...).
 _KERNEL_ONLY_PREFIX = "JPY_"

@@ -24,20 +24,18 @@ from typing import Any
 
 from nbshard.errors import signal_name
 from nbshard.files import read_json, write_json
-from nbshard.job import RunDir, rank_environment
+from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
 from nbshard.lines import LineSplitter
 from nbshard.wire import Sender
 
 __all__ = ["main", "pick_port"]
 
 TICK = 0.1  # seconds between checks of exits, deadlines and open (\r) lines
-STACK_DUMP_WAIT = 0.5  # time ranks get to write their faulthandler stacks
 FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another failed
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 PORT_ATTEMPTS = 3
 END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
-CANCEL, KILL = b"c", b"k"  # what the kernel writes to the launcher's stdin
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
 _PR_SET_CHILD_SUBREAPER = 36
 

@@ -83,6 +83,7 @@ def test_pruning_leaves_foreign_entries_alone_and_is_not_broken_by_them(runs_dir
 def test_the_logs_of_a_pruned_run_say_so(monkeypatch):
     handle = nbshard.submit(programs.rank_and_value, 1, nproc=1)
     handle.result(timeout=60)
+    assert (handle.run_dir / "launcher.log").read_text() == ""  # no warning, nothing to say
     shutil.rmtree(handle.run_dir)
     with pytest.raises(FileNotFoundError, match="was pruned"):
         handle.logs(0)
@@ -259,3 +260,10 @@ def test_a_large_result_costs_about_its_own_size_on_each_side_and_does_not_linge
     assert int(rank_extra_mib) < 0.3 * size_mib, f"writing the result took {rank_extra_mib} MiB more in the rank"
     assert kernel.wait_for("files").strip() == "files []"  # loaded, then removed from the run directory
     assert kernel.finish()[0] == 0
+
+
+def test_far_more_ranks_than_the_machine_has_is_a_warning_that_says_so():
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.warns(nbshard.TooManyRanks, match=f"{cpus} CPUs available"):
+        handle = nbshard.submit(programs.rank_and_value, 1, nproc=2 * cpus + 1, sample_interval=None)
+    handle.cancel()

@@ -14,7 +14,7 @@ ALLOWED = {
     "files": set(),
     "wire": set(),
     "errors": set(),
-    "pickling": set(),
+    "pickling": {"files"},
     "display": set(),
     "lines": set(),
     "dist": set(),
@@ -26,7 +26,7 @@ ALLOWED = {
     "launcher": {"job", "files", "wire", "errors", "lines"},
     "backends": {"job", "backends"},
     "outcome": {"job", "files", "errors"},
-    "handle": {"job", "files", "wire", "errors", "backends", "display", "outcome", "launcher", "telemetry"},
+    "handle": {"job", "files", "wire", "errors", "backends", "display", "outcome", "telemetry"},
     "client": {"job", "files", "wire", "backends", "handle", "pickling", "gpus"},
     "testing": {"__init__"},
     "cell": {"pickling"},  # a rank pickles each pulled name on its own
@@ -63,5 +63,13 @@ def test_import_nbshard_imports_no_torch():
         "import sys, nbshard, nbshard.launcher, nbshard.worker, nbshard.magic, nbshard.telemetry, nbshard.testing; "
         "print(sorted(m for m in sys.modules if m.startswith(('torch', 'lightning'))))"
     )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_kernel_side_never_imports_the_launcher_or_worker_modules():
+    # `python -m nbshard.launcher` would otherwise run a second copy of an already imported module
+    # (runpy's RuntimeWarning at the top of every launcher.log).
+    code = "import sys, nbshard, nbshard.magic; print(sorted(m for m in sys.modules if m in ('nbshard.launcher', 'nbshard.worker')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"
