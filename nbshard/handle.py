@@ -70,6 +70,8 @@ class JobHandle:
         self._unshown = 0  # lines dropped from the live backlog (nobody watched, or too many to show)
         self._unshown_said = 0  # of those, how many a note in the output has counted
         self._lines_waiting = threading.Event()  # set when the backlog fills up, to wake a reader
+        self._lines_taken = threading.Event()  # set when a reader took lines, to wake a waiting drain
+        self._patient_reader = False  # True while a reader that takes every line watches
         self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
@@ -166,6 +168,7 @@ class JobHandle:
         live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
         next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
         most = LIVE_LINES_PER_TICK if live is not None else None
+        self._patient_reader = live is None  # a terminal takes every line: the drain waits for it
         try:
             while not self._wait_for_lines(timed=live is not None):
                 self._print_live(printer, out, most=most)
@@ -185,6 +188,7 @@ class JobHandle:
                 self._done.wait()
             raise JobInterrupted(self.job.label, self._exception) from None
         finally:
+            self._patient_reader = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
             out.write(printer.close())
             out.flush()
@@ -223,6 +227,7 @@ class JobHandle:
         while self._live and (most is None or len(fed) < most):
             rank, item = self._live.popleft()
             fed.append(sink.note(item) if isinstance(item, str) else sink.line(rank, *item[1:]))
+        self._lines_taken.set()
         return fed
 
     def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None, most: int | None = LIVE_LINES_PER_TICK) -> None:
@@ -317,14 +322,24 @@ class JobHandle:
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
             self._live.append((-1, str(message["text"])))
-        if len(self._live) > LIVE_BACKLOG // 8:
-            self._lines_waiting.set()
-        while len(self._live) > LIVE_BACKLOG:
-            self._live.popleft()
-            self._unshown += 1
+        self._make_room()
         if kind == "end":
             self._storage_error = message.get("storage_error")
         return kind == "end"
+
+    def _make_room(self) -> None:
+        """Keep the backlog bounded. A reader that takes every line (a terminal) is waited for;
+        meanwhile unread messages queue in the sockets, bounded too, and past those the launcher
+        drops and reports. Without one (a notebook's paced view, or nobody), the oldest go."""
+        if len(self._live) > LIVE_BACKLOG // 8:
+            self._lines_waiting.set()
+        while len(self._live) > LIVE_BACKLOG and self._patient_reader:
+            self._lines_waiting.set()
+            self._lines_taken.wait(0.1)
+            self._lines_taken.clear()
+        while len(self._live) > LIVE_BACKLOG:
+            self._live.popleft()
+            self._unshown += 1
 
     def _note_dropped(self, rank: int, count: int) -> None:
         self._reported_drops[rank] += count

@@ -235,17 +235,6 @@ def start_escaping_child(pid_file, then="return"):
     return child.pid
 
 
-def flood(lines):
-    """Print ``lines`` short lines as fast as Python can."""
-    import sys
-
-    write = sys.stdout.write
-    for index in range(lines):
-        write(f"flood line {index}\n")
-    sys.stdout.flush()
-    return lines
-
-
 def big_result(megabytes):
     """A tensor of ``megabytes``, and this rank's resident memory just before returning it."""
     import torch

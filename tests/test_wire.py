@@ -17,6 +17,15 @@ def receive_all(receiver: Receiver, count: int, within: float = 5.0) -> list[dic
     return messages
 
 
+def receive_until_rejected(receiver: Receiver, rejected: int, within: float = 2.0) -> list[dict]:
+    """What arrives until ``rejected`` frames were dropped (or ``within`` seconds passed)."""
+    messages: list[dict] = []
+    deadline = time.monotonic() + within
+    while receiver.rejected < rejected and time.monotonic() < deadline:
+        messages += receiver.receive(0.1)
+    return messages
+
+
 def test_encode_decode_round_trip():
     key = new_key()
     message = {"kind": "lines", "rank": 1, "lines": [[1.5, "out", "héllo", False]]}
@@ -55,9 +64,7 @@ def test_unsigned_frames_are_dropped_and_counted():
     intruder.send_multipart([b'{"kind": "end"}'])  # no signature at all
     intruder.send_multipart(encode(key, {"kind": "event", "ok": True, "from": "a", "seq": 1}))
     messages = receive_all(receiver, 1)
-    deadline = time.monotonic() + 2
-    while receiver.rejected < 2 and time.monotonic() < deadline:
-        messages += receiver.receive(0.1)
+    messages += receive_until_rejected(receiver, 2)
     intruder.close(0)
     context.term()
     receiver.close()
@@ -94,9 +101,7 @@ def test_replayed_and_reordered_frames_are_dropped_and_counted():
     for frames in (captured[0], captured[1], captured[0], captured[1], captured[2], captured[1]):
         replayer.send_multipart(frames)
     shown = receive_all(receiver, 3)
-    deadline = time.monotonic() + 2
-    while receiver.rejected < 3 and time.monotonic() < deadline:
-        shown += receiver.receive(0.1)
+    shown += receive_until_rejected(receiver, 3)
     replayer.close(0)
     receiver.close()
     assert [m["lines"][0][2] for m in shown] == ["line 0", "line 1", "line 2"]  # each once, in order
