@@ -199,7 +199,9 @@ def _ipython_traceback(error: BaseException) -> list[str]:
     if shell is None or error.__traceback__ is None:
         return []
     try:
-        return list(shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__))
+        # tb_offset=0: the shell's formatter skips its own first frame unless told (IPython 8),
+        # and every frame here is the rank's.
+        return list(shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__, tb_offset=0))
     except Exception:  # noqa: BLE001 - an IPython that formats differently: the summary still shows
         return []
 
