@@ -13,7 +13,6 @@ import html
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 __all__ = [
     "LinePrinter",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbshard.backends import LauncherProcess
+from nbshard.backlog import LiveBacklog
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
@@ -27,7 +28,6 @@ __all__ = ["JobHandle", "running_jobs"]
 
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
-LIVE_BACKLOG = 100_000  # lines waiting to be shown (about 25 MB); past that the oldest are counted, not kept
 LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far more than a person reads,
 # and below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
 # cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
@@ -66,12 +66,7 @@ class JobHandle:
         self._identity = identity(run_dir.path)  # read back only from this very directory
         self._launcher = launcher
         self._receiver = receiver
-        self._live: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
-        self._unshown = 0  # lines dropped from the live backlog (nobody watched, or too many to show)
-        self._unshown_said = 0  # of those, how many a note in the output has counted
-        self._lines_waiting = threading.Event()  # set when the backlog fills up, to wake a reader
-        self._lines_taken = threading.Event()  # set when a reader took lines, to wake a waiting drain
-        self._patient_reader = False  # True while a reader that takes every line watches
+        self._live = LiveBacklog(str(run_dir.path))
         self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
@@ -168,9 +163,9 @@ class JobHandle:
         live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
         next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
         most = LIVE_LINES_PER_TICK if live is not None else None
-        self._patient_reader = live is None  # a terminal takes every line: the drain waits for it
+        self._live.patient = live is None  # a terminal takes every line: the drain waits for it
         try:
-            while not self._wait_for_lines(timed=live is not None):
+            while not self._live.wait(self._done, paced=live is not None):
                 self._print_live(printer, out, most=most)
                 if live is not None:
                     live.update(LIVE_VIEW_INTERVAL)
@@ -188,20 +183,12 @@ class JobHandle:
                 self._done.wait()
             raise JobInterrupted(self.job.label, self._exception) from None
         finally:
-            self._patient_reader = False
+            self._live.patient = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
             out.write(printer.close())
             out.flush()
             if live is not None:
                 live.update()  # the summary stays in the cell
-
-    def _wait_for_lines(self, timed: bool) -> bool:
-        """Wait 0.1 s (``timed``: a notebook's pace) or until lines pile up; True once the job ended."""
-        if timed:
-            return self._done.wait(0.1)
-        self._lines_waiting.wait(0.1)
-        self._lines_waiting.clear()
-        return self._done.is_set()
 
     def _memory_text(self, peak: bool) -> str | None:
         """One line of each rank's memory (now, or its peak), or None before any sample."""
@@ -213,25 +200,8 @@ class JobHandle:
             f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views
         )
 
-    def _feed_live(self, sink: LinePrinter | TailView, most: int | None = None) -> list[Any]:
-        """Hand at most ``most`` of the lines and notes that arrived since the last call to
-        ``sink`` (one consumer at a time), after a note of any it will never see."""
-        fed = []
-        unshown = self._unshown
-        if unshown > self._unshown_said:
-            fed.append(sink.note(
-                f"{unshown - self._unshown_said} lines were not shown live (more came than could be shown); "
-                f"handle.logs(rank) has every line, the full logs are in {self.run_dir}"
-            ))
-            self._unshown_said = unshown
-        while self._live and (most is None or len(fed) < most):
-            rank, item = self._live.popleft()
-            fed.append(sink.note(item) if isinstance(item, str) else sink.line(rank, *item[1:]))
-        self._lines_taken.set()
-        return fed
-
     def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None, most: int | None = LIVE_LINES_PER_TICK) -> None:
-        chunks = self._feed_live(printer, most)
+        chunks = self._live.feed(printer, most)
         if text:
             chunks.append(printer.note(text))
         if chunks:
@@ -252,7 +222,7 @@ class JobHandle:
 
         def update(_: Any = None) -> None:
             with lock:
-                self._feed_live(tail)
+                self._live.feed(tail)
                 live.update()
 
         def refresh_until_done() -> None:
@@ -314,39 +284,24 @@ class JobHandle:
         kind = message.get("kind")
         if kind == "lines":
             rank = message["rank"]
-            self._live.extend((rank, line) for line in message["lines"])
+            self._live.lines(rank, message["lines"])
             self._telemetry.last_line(rank, message["lines"][-1][2])
         elif kind in ("sample", "metrics"):
             self._telemetry.add(message)
         elif kind == "dropped":
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
-            self._live.append((-1, str(message["text"])))
-        self._make_room()
+            self._live.note(str(message["text"]))
         if kind == "end":
             self._storage_error = message.get("storage_error")
         return kind == "end"
 
-    def _make_room(self) -> None:
-        """Keep the backlog bounded. A reader that takes every line (a terminal) is waited for;
-        meanwhile unread messages queue in the sockets, bounded too, and past those the launcher
-        drops and reports. Without one (a notebook's paced view, or nobody), the oldest go."""
-        if len(self._live) > LIVE_BACKLOG // 8:
-            self._lines_waiting.set()
-        while len(self._live) > LIVE_BACKLOG and self._patient_reader:
-            self._lines_waiting.set()
-            self._lines_taken.wait(0.1)
-            self._lines_taken.clear()
-        while len(self._live) > LIVE_BACKLOG:
-            self._live.popleft()
-            self._unshown += 1
-
     def _note_dropped(self, rank: int, count: int) -> None:
         self._reported_drops[rank] += count
-        self._live.append((rank, (
+        self._live.note(
             f"{count} lines of rank {rank} were not shown live because the kernel read too "
             f"slowly; the full log is {self._paths.log(rank)}"
-        )))
+        )
 
     def _note_unreported_drops(self, outcome: dict[str, Any] | None) -> None:
         """The launcher's final tally, in case its last notices could not reach the kernel."""
@@ -394,7 +349,7 @@ class JobHandle:
             _running.discard(self)
         with self._callbacks_lock:
             self._done.set()
-            self._lines_waiting.set()
+            self._live.wake()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             try:

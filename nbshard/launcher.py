@@ -11,7 +11,6 @@ the kernel, reaches end-of-file). It writes ``outcome.json`` last.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import selectors
 import signal
@@ -26,6 +25,7 @@ from nbshard.errors import signal_name
 from nbshard.files import read_json, write_json
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
 from nbshard.lines import LineSplitter
+from nbshard.reaper import adopt_orphans, kill_leftovers
 from nbshard.wire import Sender
 
 __all__ = ["main", "pick_port"]
@@ -37,7 +37,6 @@ PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 PORT_ATTEMPTS = 3
 END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 def pick_port(preferred: int | None = None) -> int:
@@ -352,68 +351,14 @@ class Launcher:
     def close(self) -> None:
         for proc in self.ranks:
             proc.close()
-        _kill_leftovers()
+        kill_leftovers()
         self.sender.close()
-
-
-def _live_processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, process group) of every process not yet a zombie."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp
-            if fields[0] != "Z":
-                table[int(entry.name)] = (int(fields[1]), int(fields[2]))
-    return table
-
-
-def _kill_leftovers(within: float = 3.0) -> None:
-    """SIGKILL every process the ranks left behind: in this process group (DataLoader workers)
-    or anywhere below this launcher, new sessions included (it is their subreaper).
-
-    Only when the launcher leads its own group, as it does when a backend starts it;
-    called in-process by a test, these processes are not ours to clean.
-    """
-    me = os.getpid()
-    if os.getpgrp() != me:
-        return
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        table = _live_processes()
-        children: dict[int, list[int]] = {}
-        for pid, (parent, _) in table.items():
-            children.setdefault(parent, []).append(pid)
-        doomed = {pid for pid, (_, group) in table.items() if group == me and pid != me}
-        below = list(children.get(me, ()))
-        while below:
-            pid = below.pop()
-            doomed.add(pid)
-            below += children.get(pid, ())
-        if not doomed:
-            return
-        for pid in doomed:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in children.get(me, ()):  # orphans handed to this subreaper: reap them
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.02)
-
-
-def _adopt_orphans() -> None:
-    """Become the subreaper of the ranks' descendants: a process they start in a new session
-    (``start_new_session=True``, a daemon) is handed to this launcher, not to init, when its
-    parent exits, so ``_kill_leftovers`` finds it."""
-    if os.getpgrp() == os.getpid():
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def main(run_dir: str) -> int:
     """Supervise the run in ``run_dir`` to its end; returns the exit code."""
     paths = RunDir(Path(run_dir))
-    _adopt_orphans()
+    adopt_orphans()
     (paths.path / "launcher.pid").write_text(str(os.getpid()))
     launcher = Launcher(paths)
     try:

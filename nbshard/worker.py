@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from nbshard import monitor
-from nbshard.errors import MAIN_THREAD_HEADER
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RunDir
+from nbshard.stacks import MAIN_THREAD_HEADER
 
 __all__ = ["main", "run_as_main"]
 

@@ -87,7 +87,7 @@ def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
 
 def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache):
     import nbshard.worker
-    from nbshard.errors import where_stopped
+    from nbshard.stacks import where_stopped
 
     worker, threading_py = nbshard.worker.__file__, threading_file()
     torch_file = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")

@@ -1,0 +1,84 @@
+"""The lines and notes that reached the kernel for a live view and are not yet shown: bounded.
+
+The handle's background thread adds what arrives; one reader at a time (``watch``
+printing to a cell or a terminal, a ``show_live`` view) takes it. Past
+``LIVE_BACKLOG`` entries the oldest are dropped from the live view (never from
+the logs) and the next reader is told how many, unless a reader that takes every
+line is watching (a terminal): then the adding thread waits for it, and unread
+messages queue in the sockets, which are bounded too.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Protocol
+
+__all__ = ["LIVE_BACKLOG", "LiveBacklog"]
+
+LIVE_BACKLOG = 100_000  # entries waiting to be shown (about 25 MB of short lines)
+
+
+class Sink(Protocol):
+    def line(self, rank: int, stream: str, text: str, is_open: bool) -> Any: ...
+    def note(self, text: str) -> Any: ...
+
+
+class LiveBacklog:
+    def __init__(self, logs_hint: str) -> None:
+        self._items: collections.deque[tuple[int, list[Any] | str]] = collections.deque()
+        self._logs_hint = logs_hint  # where every line is, for the note about dropped ones
+        self._dropped = 0
+        self._dropped_said = 0
+        self._filling = threading.Event()  # set when entries pile up, to wake a reader
+        self._taken = threading.Event()  # set when a reader took entries, to wake a waiting adder
+        self.patient = False  # True while a reader that takes every line watches
+
+    def lines(self, rank: int, lines: list[list[Any]]) -> None:
+        """A rank's lines, each ``[time, stream, text, is_open]``."""
+        self._items.extend((rank, line) for line in lines)
+        self._make_room()
+
+    def note(self, text: str, rank: int = -1) -> None:
+        self._items.append((rank, text))
+        self._make_room()
+
+    def _make_room(self) -> None:
+        if len(self._items) > LIVE_BACKLOG // 8:
+            self._filling.set()
+        while len(self._items) > LIVE_BACKLOG and self.patient:
+            self._filling.set()
+            self._taken.wait(0.1)
+            self._taken.clear()
+        while len(self._items) > LIVE_BACKLOG:
+            self._items.popleft()
+            self._dropped += 1
+
+    def feed(self, sink: Sink, most: int | None = None) -> list[Any]:
+        """Hand at most ``most`` entries to ``sink``, oldest first, after a note of any it will
+        never see; returns what the sink made of them."""
+        fed = []
+        dropped = self._dropped
+        if dropped > self._dropped_said:
+            fed.append(sink.note(
+                f"{dropped - self._dropped_said} lines were not shown live (more came than could be shown); "
+                f"handle.logs(rank) has every line, the full logs are in {self._logs_hint}"
+            ))
+            self._dropped_said = dropped
+        while self._items and (most is None or len(fed) < most):
+            rank, item = self._items.popleft()
+            fed.append(sink.note(item) if isinstance(item, str) else sink.line(rank, *item[1:]))
+        self._taken.set()
+        return fed
+
+    def wait(self, done: threading.Event, paced: bool) -> bool:
+        """Wait 0.1 s (``paced``: a notebook's rhythm) or until entries pile up; True once ``done``."""
+        if paced:
+            return done.wait(0.1)
+        self._filling.wait(0.1)
+        self._filling.clear()
+        return done.is_set()
+
+    def wake(self) -> None:
+        """Wake a waiting reader (the job ended)."""
+        self._filling.set()
