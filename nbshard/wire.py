@@ -51,6 +51,7 @@ SEND_HWM = 1000  # messages queued per peer before sends start to drop
 LINGER_MS = 2000  # how long a closing sender may spend flushing
 MAX_MESSAGE_BYTES = 1 << 22  # 4 MiB: a sender drops a larger message of its own (lines come in 64 KiB reads)
 MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES  # what the kernel's socket takes from any peer
+RECEIVE_BATCH = 32  # messages decoded per receive() call
 
 
 def new_key() -> bytes:
@@ -95,12 +96,13 @@ class Receiver:
         port = self._socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
 
-    def receive(self, timeout: float) -> list[dict[str, Any]]:
-        """Wait up to ``timeout`` seconds for a message, then take every one already queued."""
+    def receive(self, timeout: float, most: int = RECEIVE_BATCH) -> list[dict[str, Any]]:
+        """Wait up to ``timeout`` seconds for a message, then take up to ``most`` already queued
+        (the rest stay in the socket as bytes, not decoded all at once in a flood)."""
         messages: list[dict[str, Any]] = []
         if not self._socket.poll(int(timeout * 1000)):
             return messages
-        while True:
+        for _ in range(most):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -110,6 +112,7 @@ class Receiver:
                 self.rejected += 1
             else:
                 messages.append(message)
+        return messages
 
     def _fresh(self, message: dict[str, Any] | None) -> dict[str, Any] | None:
         """The message without its stamp, if it is the next one of its sender; else None."""
