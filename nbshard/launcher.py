@@ -101,6 +101,7 @@ class Launcher:
         self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.kernel_pidfd: int | None = None
         self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -244,25 +245,32 @@ class Launcher:
         the notebook forked (a multiprocessing helper) holds the pipe's other end as well."""
         if pid is None:
             return None
+        if os.getppid() != pid:  # the kernel started this launcher: another parent means it is gone
+            self.kernel_gone()
+            return None
         try:
             pidfd = os.pidfd_open(pid)
-        except OSError:  # gone already (or no pidfd here): the pipe alone tells
-            pidfd = None
-        if pidfd is None or os.getppid() != pid:  # started by the kernel, so orphaned if it is not the parent
-            self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
-        if pidfd is not None:
-            self.selector.register(pidfd, selectors.EVENT_READ, KERNEL)
+        except ProcessLookupError:
+            self.kernel_gone()
+            return None
+        except OSError:  # no pidfd on this system: the pipe alone tells
+            return None
+        self.selector.register(pidfd, selectors.EVENT_READ, KERNEL)
         return pidfd
 
-    def kernel_died(self) -> None:
-        self.selector.unregister(self.kernel_pidfd)
+    def kernel_gone(self) -> None:
+        """Nobody waits for this run any more: stop every rank, without stacks, quickly."""
+        if self.kernel_pidfd is not None:
+            self.selector.unregister(self.kernel_pidfd)
+            os.close(self.kernel_pidfd)
+            self.kernel_pidfd = None
         self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
 
     def read_kernel_input(self, fd: int) -> None:
         data = os.read(fd, 64)
         if not data:  # the kernel is gone: nobody is waiting for this run
             self.selector.unregister(fd)
-            self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
+            self.kernel_gone()
         elif KILL in data:
             self.request_stop("cancelled", stacks=False, grace=0)
         elif CANCEL in data:
@@ -278,7 +286,7 @@ class Launcher:
                 if key.data is None:
                     self.read_kernel_input(key.fd)
                 elif key.data is KERNEL:
-                    self.kernel_died()
+                    self.kernel_gone()
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
