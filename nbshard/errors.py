@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from nbshard.stacks import where_stopped
+from nbshard.stacks import STARTING, where_stopped
 
 __all__ = [
     "JobCancelled",
@@ -82,6 +82,8 @@ class RankFailure:
             return "\n    ".join([raised, *self.notes])
         if self.stopped:
             where = where_stopped(self.stacks)
+            if where == [STARTING]:
+                return f"rank {self.rank} was stopped by nbshard {STARTING}"
             return "\n    ".join([f"rank {self.rank} was stopped by nbshard{' at:' if where else ''}", *where])
         if self.signal is not None:
             return f"rank {self.rank} was killed by {self.signal}: {likely_cause(self.signal)}"

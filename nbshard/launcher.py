@@ -72,6 +72,16 @@ class Rank:
     def running(self) -> bool:
         return self.returncode is None
 
+    def catches(self, signum: int) -> bool:
+        """Whether the rank handles ``signum`` yet: its kernel-side mask of caught signals.
+        A rank still starting Python has the default action, which for SIGUSR1 kills."""
+        try:
+            with open(f"/proc/{self.popen.pid}/status") as status:
+                caught = next(line for line in status if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return False
+        return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
     def signal(self, signum: int) -> None:
         if self.running:
             with contextlib.suppress(ProcessLookupError):
@@ -194,7 +204,7 @@ class Launcher:
             self.send({"kind": "event", "event": "stopping", "reason": reason})
         if stacks and self.term_at == float("inf"):
             for proc in self.ranks:
-                if proc.running:
+                if proc.running and proc.catches(signal.SIGUSR1):  # one still starting has no stack to give
                     proc.stacks_asked = True
                     proc.signal(signal.SIGUSR1)
             self.term_at = now + STACK_DUMP_WAIT

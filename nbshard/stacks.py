@@ -14,7 +14,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["MAIN_THREAD_HEADER", "source_label", "where_stopped"]
+__all__ = ["MAIN_THREAD_HEADER", "STARTING", "source_label", "where_stopped"]
 
 MAIN_THREAD_HEADER = "main thread "  # the first line of a rank's stacks file: "main thread 0x..."
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
@@ -28,6 +28,10 @@ def _dirs(*keys: str) -> tuple[str, ...]:
 
 _STDLIB_DIRS = _dirs("stdlib", "platstdlib")
 _PACKAGE_DIRS = _dirs("purelib", "platlib")
+
+
+STARTING = "before its function started (nbshard was still setting the rank up)"
+_CALL_JOB = "call_job"  # nbshard.worker.call_job, the frame that calls the user's function
 
 
 def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
@@ -75,8 +79,13 @@ def where_stopped(stacks: str, limit: int = 3) -> list[str]:
     """Where a rank's main thread was, in a few lines: its innermost frames of user code
     (a cell as ``Cell In[N], line L``) and the installed package it was inside (a
     collective in torch), nothing of nbshard or the standard library (threading, runpy).
-    Empty when the dump shows no such frame."""
-    frames = [f for f in _main_thread_frames(stacks) if not f[0].startswith(_NBSHARD_DIR + os.sep)]
+    ``[STARTING]`` when it had not reached the user's function yet; empty when the dump
+    shows no frame at all."""
+    every = _main_thread_frames(stacks)
+    ours = [f for f in every if f[0].startswith(_NBSHARD_DIR + os.sep)]
+    if ours and not any(name == _CALL_JOB for _, _, name in ours):
+        return [STARTING]
+    frames = [f for f in every if f not in ours]
     user = [f for f in frames if not _is_library(f[0])][:limit]
     lines = []
     for filename, lineno, name in reversed(user):

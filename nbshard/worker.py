@@ -28,7 +28,7 @@ from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
 
-__all__ = ["main", "run_as_main"]
+__all__ = ["call_job", "main", "run_as_main"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
 _PR_SET_PDEATHSIG = 1
@@ -153,6 +153,11 @@ def _start_monitor(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> None:
         print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
 
 
+def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The user's function; its frame in a stack dump tells that the rank had started it."""
+    return fn(*args, **kwargs)
+
+
 def _run(run_dir: RunDir, rank: int) -> int:
     from nbshard.pickling import write_result
 
@@ -170,7 +175,7 @@ def _run(run_dir: RunDir, rank: int) -> int:
     _install_notebook_main(_notebook_objects(fn, args, kwargs), run_dir.notebook_main(rank))
     _start_monitor(run_dir, rank, launch)
     try:
-        value = fn(*args, **kwargs)
+        value = call_job(fn, args, kwargs)
     except SystemExit as stop:
         if stop.code not in (None, 0):
             _write_error(run_dir, rank, stop)

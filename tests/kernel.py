@@ -53,8 +53,9 @@ class Kernel:
     def submit(self, code: str) -> str:
         return self.client.execute(code)
 
-    def collect(self, msg_id: str, timeout: float = 120, until: str | None = None) -> CellResult:
-        """IOPub messages of one execution, until it is idle (or ``until`` appears in stdout)."""
+    def collect(self, msg_id: str, timeout: float = 120, until: str | tuple[str, ...] = ()) -> CellResult:
+        """IOPub messages of one execution, until it is idle (or each of ``until`` appears in stdout)."""
+        wanted = (until,) if isinstance(until, str) else until
         result = CellResult()
         deadline = time.monotonic() + timeout
         while True:
@@ -71,7 +72,7 @@ class Kernel:
             kind, content = message["msg_type"], message["content"]
             if kind == "stream":
                 setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
-                if until is not None and until in result.stdout:
+                if wanted and all(text in result.stdout for text in wanted):
                     return result
             elif kind == "error":
                 result.error = content

@@ -87,7 +87,7 @@ def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
 
 def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache):
     import nbshard.worker
-    from nbshard.stacks import where_stopped
+    from nbshard.stacks import STARTING, where_stopped
 
     worker, threading_py = nbshard.worker.__file__, threading_file()
     torch_file = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")
@@ -100,7 +100,8 @@ def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache
         "Current thread 0x00007f00000000aa (most recent call first):\n"
         f'  File "{torch_file}", line 4000 in barrier\n'
         f'  File "{CELL}", line 2 in train\n'
-        f'  File "{worker}", line 153 in _run\n'
+        f'  File "{worker}", line 160 in call_job\n'
+        f'  File "{worker}", line 175 in _run\n'
         '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
     )
     assert where_stopped(stacks) == [
@@ -111,6 +112,8 @@ def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache
     in_threading = stacks.replace(torch_file, threading_py).replace("in barrier", "in wait")
     assert where_stopped(in_threading) == where_stopped(stacks)[:2]  # the standard library is not the user's
     assert where_stopped("main thread 0x1\n") == []  # a rank that never answered
+    starting = stacks.replace("line 2 in train", "line 747 in _function_getstate").replace("in call_job", "in _install_notebook_main")
+    assert where_stopped(starting) == [STARTING]  # stopped while nbshard loaded the job: no library frame shown
 
 
 def threading_file():

@@ -97,6 +97,20 @@ def test_cancel_stops_every_process_within_5_seconds_and_the_next_run_works():
     assert nbshard.run(programs.rank_and_value, 2, nproc=2, return_all=True) == [0, 2]
 
 
+def test_cancel_while_ranks_start_says_so_and_kills_none_by_its_stack_request():
+    """A cancel that comes before a rank can answer for its stack (SIGUSR1, whose default
+    kills) stops it like any other, and says it had not started its function yet."""
+    for _ in range(3):
+        handle = nbshard.submit(programs.sleep_forever, nproc=2)
+        handle.cancel()
+        with pytest.raises(nbshard.JobCancelled) as caught:
+            handle.result()
+        for failure in caught.value.failures:
+            assert failure.signal != "SIGUSR1", failure.describe()
+            assert failure.stopped, failure.describe()
+        assert not processes_of(handle.run_dir)
+
+
 def test_cancel_sends_sigterm_first_so_ranks_can_checkpoint(tmp_path):
     checkpoint = tmp_path / "ckpt"
     handle = nbshard.submit(programs.terminate_checkpoint, str(checkpoint), nproc=2)
@@ -118,7 +132,7 @@ def test_interrupting_run_stops_the_job_and_the_next_run_works(script, runs_dir)
         """
     )
     kernel.wait_for("working")
-    time.sleep(0.5)  # both ranks are up
+    kernel.wait_for("working")  # both ranks are in their function
     run_dir = next(runs_dir.iterdir())
     kernel.process.send_signal(signal.SIGINT)
     started = time.monotonic()

@@ -70,7 +70,7 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel
         "    while True: time.sleep(0.1)\n"
     )
     msg_id = kernel.submit("nbshard.run(forever, nproc=2)")
-    kernel.collect(msg_id, until="[rank1]: working")
+    kernel.collect(msg_id, until=("[rank0]: working", "[rank1]: working"))
     run_dir = next(runs_dir.iterdir())
     kernel.manager.interrupt_kernel()
     interrupted_at = time.monotonic()

@@ -202,7 +202,7 @@ def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):
 
 def test_interrupt_stops_the_cell_and_the_next_cell_runs(notebook, runs_dir):
     msg_id = notebook.submit("%%shard_train --nproc 2\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
-    started = notebook.collect(msg_id, until="[rank1]: working")
+    started = notebook.collect(msg_id, until=("[rank0]: working", "[rank1]: working"))
     run_dir = next(runs_dir.iterdir())
     notebook.manager.interrupt_kernel()
     interrupted_at = time.monotonic()
@@ -215,7 +215,7 @@ def test_interrupt_stops_the_cell_and_the_next_cell_runs(notebook, runs_dir):
 
 def test_killing_the_kernel_during_a_cell_leaves_no_rank(notebook, runs_dir):
     msg_id = notebook.submit("%%shard_train --nproc 2\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
-    notebook.collect(msg_id, until="[rank1]: working")
+    notebook.collect(msg_id, until=("[rank0]: working", "[rank1]: working"))
     assert len(processes_of(runs_dir)) == 3
     os.kill(notebook.pid, signal.SIGKILL)
     assert not wait_until_gone(runs_dir, within=5.0)
