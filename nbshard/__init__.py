@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
-from nbshard.client import JobHandle, Settings, TooManyRanks, cancel_all, jobs, run, settings, submit
+from nbshard.client import (
+    JobHandle, Settings, TooManyRanks, cancel_all, jobs, restart_warm, run, settings, submit, warm_status,
+)
 from nbshard.dist import device, init_process_group
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError
 from nbshard.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
@@ -32,9 +34,11 @@ __all__ = [
     "init_process_group",
     "jobs",
     "log_metrics",
+    "restart_warm",
     "run",
     "settings",
     "submit",
+    "warm_status",
 ]
 
 __version__ = "0.1.0"

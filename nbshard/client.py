@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends import get_backend
+from nbshard.backends import get_backend, warm
+from nbshard.backends.local import _importable_env
 from nbshard.files import make_private_dirs, write_atomic, write_json
 from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.handle import JobHandle, running_jobs
@@ -28,7 +29,9 @@ from nbshard.job import Job, RunDir, launch_environment
 from nbshard.pickling import dump_job
 from nbshard.wire import Receiver, new_key
 
-__all__ = ["JobHandle", "Settings", "TooManyRanks", "cancel_all", "jobs", "run", "settings", "submit"]
+__all__ = [
+    "JobHandle", "Settings", "TooManyRanks", "cancel_all", "jobs", "restart_warm", "run", "settings", "submit", "warm_status",
+]
 
 def _default_runs_dir() -> Path:
     if "NBSHARD_RUNS_DIR" in os.environ:
@@ -45,6 +48,11 @@ class Settings:
     """Where run directories live (``$NBSHARD_RUNS_DIR``, else ``~/.cache/nbshard/runs``)."""
     keep_runs: int = 20
     """Finished run directories kept; older ones are deleted when a job is submitted."""
+    warm: bool = dataclasses.field(default_factory=lambda: os.environ.get("NBSHARD_WARM", "1") != "0")
+    """Fork launchers and ranks from a warm process that has imported ``preload`` (``$NBSHARD_WARM=0``
+    turns it off); a launch that cannot be warm is cold and says why in one line."""
+    preload: list[str] = dataclasses.field(default_factory=lambda: ["torch"])
+    """Modules the warm process imports, e.g. ``["torch", "lightning"]``; changing it replaces it."""
 
 
 settings = Settings()
@@ -165,7 +173,8 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
             "sample_interval": job.sample_interval, "kernel_pid": os.getpid(),
         })
-        launcher = start(run_dir, launch_environment(kernel_env, gpus=job.gpus, extra=job.env), cwd)
+        env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)
+        launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)
     except BaseException as error:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
         if receiver is not None:
             receiver.close()
@@ -205,9 +214,23 @@ def cancel_all() -> list[JobHandle]:
     return handles
 
 
+def warm_status() -> dict[str, Any]:
+    """The warm process's state: ``none`` (before the first launch), ``starting``, ``ready``
+    (its pid, start-up seconds and preloads), ``failed`` or ``exited`` (why, and its log)."""
+    return warm.warm_status()
+
+
+def restart_warm() -> None:
+    """Start a new warm process now with ``settings.preload`` (e.g. after ``pip install``); jobs
+    it already forked run on. Launches are cold until it is ready."""
+    kernel_env = launch_environment(ranks_environment(os.environ), gpus=None, extra={})
+    warm.restart_warm(_importable_env(kernel_env), settings.preload, os.getcwd())
+
+
 def _stop_at_exit() -> None:
     for handle in jobs():
         handle.kill()
+    warm.close_warm()
 
 
 atexit.register(_stop_at_exit)

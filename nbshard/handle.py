@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbshard.backends import LauncherProcess
+from nbshard.backends import LauncherProcess, WarmLauncher
 from nbshard.backlog import LiveBacklog
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
@@ -55,7 +55,7 @@ def running_jobs() -> list[JobHandle]:
 class JobHandle:
     """A submitted job: ``result()``, ``done()``, ``cancel()``, ``logs(rank)``."""
 
-    def __init__(self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess, receiver: Receiver) -> None:
+    def __init__(self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver) -> None:
         self.job = job
         self.nproc = nproc
         self.run_dir = run_dir.path
@@ -67,6 +67,12 @@ class JobHandle:
         self._launcher = launcher
         self._receiver = receiver
         self._live = LiveBacklog(str(run_dir.path))
+        self.warm = isinstance(launcher, WarmLauncher)
+        """True when the warm process forked this job's launcher and ranks."""
+        self.launch_note: str | None = launcher.note
+        """Why this launch is cold when a warm one was asked for (also shown with the output)."""
+        if self.launch_note:
+            self._live.note(self.launch_note)
         self._reported_drops: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None

@@ -20,7 +20,9 @@ __all__ = [
     "STACK_DUMP_WAIT",
     "Job",
     "RunDir",
+    "APPLIED_AT_FORK",
     "TORCHRUN_VARIABLES",
+    "import_time_environment",
     "launch_environment",
     "rank_environment",
 ]
@@ -258,3 +260,27 @@ def rank_environment(
         # torchrun does the same: N ranks each using every core oversubscribe the CPU.
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+# Variables that a process reads once, when the interpreter starts or a library is imported:
+# a process forked from the warm process keeps the warm process's values of these.
+_IMPORT_TIME_PREFIXES = (
+    "PYTHON", "LC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "GOTO_", "BLIS_", "TORCH", "PYTORCH_",
+    "LD_", "MALLOC_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "LIGHTNING_", "PL_", "NUMEXPR_",
+)
+_IMPORT_TIME_NAMES = {"LANG", "LANGUAGE", "GLIBC_TUNABLES", "TZ"}
+_READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_", "TORCH_COMPILE_")  # per run, or read at use
+APPLIED_AT_FORK = ("OMP_NUM_THREADS",)  # a plain count is applied with torch.set_num_threads
+
+
+def import_time_environment(env: Mapping[str, str], preload: Sequence[str] = ()) -> dict[str, str]:
+    """The part of ``env`` read at start-up or import time (by Python, the C library, OpenMP,
+    the BLAS libraries, torch and the preloaded packages, whose upper-cased names count as
+    prefixes): a fork of a process started with other values would not see this ``env``."""
+    prefixes = _IMPORT_TIME_PREFIXES + tuple(f"{name.split('.')[0].upper()}_" for name in preload)
+    return {
+        name: value for name, value in env.items()
+        if (name in _IMPORT_TIME_NAMES or name.startswith(prefixes))
+        and name not in TORCHRUN_VARIABLES and not name.startswith(_READ_LATER_PREFIXES)
+        and not (name in APPLIED_AT_FORK and value.isdigit() and int(value) > 0)
+    }

@@ -23,6 +23,8 @@ from typing import Any
 
 from nbshard.errors import signal_name
 from nbshard.files import read_json, write_json
+from nbshard.forking import ForkedProcess, fork_rank
+from nbshard.fresh import cold_command
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
 from nbshard.lines import LineSplitter
 from nbshard.reaper import adopt_orphans, kill_leftovers
@@ -37,6 +39,7 @@ PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 PORT_ATTEMPTS = 3
 END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
+EXITED = "exited"  # the selector's mark for a rank's pidfd, with the rank: (EXITED, rank)
 
 
 def pick_port(preferred: int | None = None) -> int:
@@ -54,7 +57,7 @@ def pick_port(preferred: int | None = None) -> int:
 class Rank:
     """One rank process, its pipes and its log."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes] | ForkedProcess, log_path: Path) -> None:
         self.rank = rank
         self.popen = popen
         self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
@@ -67,6 +70,7 @@ class Rank:
         self.stopped = False
         self.stacks_asked = False
         self.stacks = ""
+        self.pidfd: int | None = None
 
     @property
     def running(self) -> bool:
@@ -90,14 +94,25 @@ class Rank:
     def close(self) -> None:
         for pipe in self.pipes:
             pipe.close()
+        self.close_pidfd()
         self.log.close()
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 class Launcher:
-    def __init__(self, run_dir: RunDir) -> None:
+    """``kernel_pidfd``: the kernel's pidfd when a warm process forked this launcher (else the
+    kernel is its parent, found by pid). ``fork_ranks``: fork the ranks from this process,
+    which has torch imported, instead of starting fresh interpreters."""
+
+    def __init__(self, run_dir: RunDir, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> None:
         self.run_dir = run_dir
         self.spec = read_json(run_dir.launch)
-        self.sender = Sender(self.spec["address"], run_dir.key.read_bytes())
+        self.fork_ranks = fork_ranks
+        self._sender: Sender | None = None  # opened once the ranks are started: ZeroMQ's threads must not exist at a fork
         self.selector = selectors.DefaultSelector()
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
@@ -112,12 +127,28 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.kernel_pidfd: int | None = None
-        self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
+        if kernel_pidfd is not None:
+            self.kernel_pidfd = kernel_pidfd
+            self.selector.register(kernel_pidfd, selectors.EVENT_READ, KERNEL)
+        else:
+            self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = "cancelled"
 
     # -- messages ---------------------------------------------------------
+
+    @property
+    def sender(self) -> Sender:
+        if self._sender is None:
+            self._sender = Sender(self.spec["address"], self.run_dir.key.read_bytes())
+        return self._sender
+
+    def close_sender(self) -> None:
+        """Flush and close the socket, ending ZeroMQ's threads (before forking ranks again)."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
         """Send without blocking (or ``wait`` at most); count lines the kernel was too slow to take."""
@@ -149,17 +180,27 @@ class Launcher:
                 run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=attempt,
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "nbshard.worker", str(self.run_dir.path)],
-                env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            )
-            proc = Rank(rank, popen, self.run_dir.log(rank))
+            proc = Rank(rank, self.start_rank(env), self.run_dir.log(rank))
             for fd in proc.splitters:
                 os.set_blocking(fd, False)
                 self.selector.register(fd, selectors.EVENT_READ, proc)
+            with contextlib.suppress(OSError):  # exits wake the loop at once; without pidfds, the tick notices
+                proc.pidfd = os.pidfd_open(proc.popen.pid)
+                self.selector.register(proc.pidfd, selectors.EVENT_READ, (EXITED, proc))
             self.ranks.append(proc)
         self.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
+
+    def start_rank(self, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess:
+        run_dir = str(self.run_dir.path)
+        if self.fork_ranks:
+            from nbshard import worker
+
+            self.close_sender()  # this process must hold one thread when it forks
+            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec["cwd"])
+        return subprocess.Popen(
+            cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec["cwd"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
 
     def read_output(self, proc: Rank, fd: int, now: float) -> None:
         try:
@@ -297,6 +338,9 @@ class Launcher:
                     self.read_kernel_input(key.fd)
                 elif key.data is KERNEL:
                     self.kernel_gone()
+                elif isinstance(key.data, tuple):  # a rank ended: check_exits below reaps it
+                    self.selector.unregister(key.fd)
+                    key.data[1].close_pidfd()
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
@@ -338,7 +382,7 @@ class Launcher:
 
     def reset_for_retry(self) -> None:
         for proc in self.ranks:
-            for fd in proc.open_fds:
+            for fd in [*proc.open_fds, *([proc.pidfd] if proc.pidfd is not None else [])]:
                 self.selector.unregister(fd)
             proc.close()
         self.ranks = []
@@ -370,15 +414,15 @@ class Launcher:
         for proc in self.ranks:
             proc.close()
         kill_leftovers()
-        self.sender.close()
+        self.close_sender()
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> int:
     """Supervise the run in ``run_dir`` to its end; returns the exit code."""
     paths = RunDir(Path(run_dir))
     adopt_orphans()
     (paths.path / "launcher.pid").write_text(str(os.getpid()))
-    launcher = Launcher(paths)
+    launcher = Launcher(paths, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
     try:
         outcome = launcher.run()
         try:

@@ -25,10 +25,11 @@ from typing import Any
 
 from nbshard import monitor
 from nbshard.files import read_json, write_atomic, write_json
+from nbshard.fresh import MAIN_NAMES
 from nbshard.job import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
 
-__all__ = ["call_job", "main", "run_as_main"]
+__all__ = ["call_job", "main", "run_as_main", "run_forked"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
 _PR_SET_PDEATHSIG = 1
@@ -218,11 +219,18 @@ def main(run_dir: str) -> int:
 
 def run_as_main(namespace: dict[str, Any]) -> None:
     """``python -m nbshard.worker RUN_DIR``: run the rank from the importable copy of
-    this module, with ``__main__`` emptied of this module's names, so it holds the
-    notebook's names (and a cell's) alone."""
-    for name in [name for name in namespace if not name.startswith("__")]:
+    this module, with ``__main__`` emptied of this module's names (as a warm rank's is),
+    so it holds the notebook's names (and a cell's) alone."""
+    for name in [name for name in namespace if name not in MAIN_NAMES]:
         del namespace[name]
+    namespace["__doc__"] = None
     _exit(main(sys.argv[1]))
+
+
+def run_forked(run_dir: str) -> int:
+    """A rank forked from a warm launcher: its ``__main__`` is already fresh (nbshard.fresh)."""
+    _exit(main(run_dir))
+    return 1  # not reached: _exit ends the process
 
 
 def _restore_notebook_main() -> None:

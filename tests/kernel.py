@@ -25,6 +25,11 @@ class CellResult:
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
+    def user_stdout(self) -> str:
+        """stdout without nbshard's own notes (e.g. why a launch is cold)."""
+        return "".join(line for line in self.stdout.splitlines(keepends=True) if not line.startswith("[nbshard]: "))
+
+    @property
     def execution_count(self) -> int | None:
         """The number the notebook shows for this cell (``In [N]``)."""
         for message in self.messages:

@@ -243,3 +243,73 @@ def big_result(megabytes):
     with open("/proc/self/statm") as statm:
         resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return tensor, resident
+
+
+def process_state():
+    """What user code can see of the process it runs in, with the run's own names replaced
+    by placeholders: a warm (forked) rank must report exactly what a cold one does."""
+    import ctypes
+    import random
+    import subprocess
+
+    import torch
+
+    run_dir = os.environ["TORCHELASTIC_ERROR_FILE"].rsplit("/", 1)[0]
+    per_run = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "NBSHARD_LAUNCHER_PID", "NBSHARD_NOTEBOOK_MAIN"}
+
+    def plain(text):
+        return str(text).replace(run_dir, "RUN_DIR").replace(f"/proc/{os.getpid()}/", "/proc/PID/")
+
+    def disposition(handler):
+        names = {signal.SIG_DFL: "default", signal.SIG_IGN: "ignored", signal.default_int_handler: "KeyboardInterrupt"}
+        return names.get(handler, "python handler" if callable(handler) else repr(handler))
+
+    def fd_kind(fd):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # listdir's own, closed since
+            return None
+        for kind in ("pipe:", "socket:", "anon_inode:"):
+            if target.startswith(kind):
+                return target.split("[")[0]
+        return plain(target)
+
+    status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+    libc = ctypes.CDLL(None)
+    libc.getenv.restype = ctypes.c_char_p
+    c_environ = ctypes.POINTER(ctypes.c_char_p).in_dll(libc, "environ")
+    c_names, i = set(), 0
+    while c_environ[i]:
+        c_names.add(c_environ[i].split(b"=", 1)[0].decode())
+        i += 1
+    main = sys.modules["__main__"]
+    time.sleep(0.5)  # ZeroMQ's I/O thread opens its TCP connection to the kernel in its own time
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    return {
+        "signals": {signal.Signals(s).name: disposition(signal.getsignal(s)) for s in sorted(signal.valid_signals())
+                    if s not in (signal.SIGKILL, signal.SIGSTOP) and s < signal.SIGRTMIN},
+        "signal masks": {k: status[k].strip() for k in ("SigBlk", "SigIgn", "SigCgt")},
+        "fds": sorted(kind for fd in fds if (kind := fd_kind(fd)) is not None),  # numbers race with the sampler thread
+        "stdio": [
+            {k: plain(getattr(stream, k)) for k in ("name", "mode", "encoding", "errors", "line_buffering", "write_through")}
+            | {"buffer": type(stream.buffer).__name__, "fileno": stream.fileno(), "is __std__": stream is getattr(sys, f"__{n}__")}
+            for n, stream in (("stdin", sys.stdin), ("stdout", sys.stdout), ("stderr", sys.stderr))
+        ],
+        "environ": {k: v for k, v in os.environ.items() if k not in per_run},
+        "C environ agrees": c_names == set(os.environ) and all(libc.getenv(k.encode()) == os.environ[k].encode() for k in os.environ),
+        "cwd": os.getcwd(),
+        "__main__": sorted(vars(main)),
+        "__main__ file": (plain(main.__file__), getattr(main.__spec__, "name", None), main.__package__, main.__name__),
+        "argv": [plain(a) for a in sys.argv],
+        "orig_argv": [plain(a) for a in sys.orig_argv],
+        "path": [plain(p) for p in sys.path],
+        "ps": plain(subprocess.run(["ps", "-o", "args=", "-p", str(os.getpid())], capture_output=True, text=True).stdout.strip()),
+        "comm": open("/proc/self/comm").read().strip(),
+        "threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
+        "seed": torch.initial_seed(),
+        "random": random.random(),
+        "process group leader": os.getpgrp() == os.getppid(),  # the launcher leads the ranks' group
+        "session": os.getsid(0) == os.getppid(),
+        "umask": os.umask(os.umask(0o22)),
+        "atexit handlers": __import__("atexit")._ncallbacks(),
+    }

@@ -58,7 +58,7 @@ def test_a_failing_rank_shows_the_cells_source_in_the_notebook_traceback(kernel)
     assert f"Cell In[{defined.execution_count}], line 13, in train" in text
     kernel.assert_reads_as_a_local_error(result)
     assert time.monotonic() - started < 60
-    assert kernel.execute("print(nbshard.run(lambda: 'again', nproc=1))").stdout.strip() == "again"
+    assert kernel.execute("print(nbshard.run(lambda: 'again', nproc=1))").user_stdout.strip() == "again"
 
 
 def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel, runs_dir):
@@ -80,7 +80,7 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel
     assert "while True: time.sleep(0.1)" in result.traceback
     for rank in (0, 1):  # the full dumps stay in the logs
         assert "Current thread" in (run_dir / f"rank-{rank}.log").read_text()
-    assert kernel.execute("print(nbshard.run(lambda: 'next', nproc=2))").stdout.strip() == "next"
+    assert kernel.execute("print(nbshard.run(lambda: 'next', nproc=2))").user_stdout.strip() == "next"
 
 
 def test_a_killed_kernel_takes_its_jobs_along_within_5_seconds(kernel, runs_dir):

@@ -109,7 +109,8 @@ def test_sampling_can_be_turned_off_while_metrics_still_arrive():
     assert handle.memory() == [] and len(handle.metrics()) == 2
 
 
-def test_the_sampler_does_not_import_torch_or_cuda_into_a_rank():
+def test_the_sampler_does_not_import_torch_or_cuda_into_a_rank(monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "warm", False)  # a warm rank has torch imported before it starts
     def modules_loaded():
         import time
 
@@ -128,7 +129,8 @@ def import_torch_while_sampled():
     return torch.__version__
 
 
-def test_the_sampler_survives_a_job_that_imports_torch_under_it():
+def test_the_sampler_survives_a_job_that_imports_torch_under_it(monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "warm", False)  # a warm rank imported torch before its sampler started
     # The job's main thread imports torch while the sampler reads it every 2 ms:
     # a half-imported torch means a sample without GPU figures, never a dead
     # thread or a traceback in the job's output.

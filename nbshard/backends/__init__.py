@@ -1,6 +1,7 @@
 """Backends start the ranks of a run; they know nothing else.
 
-Each backend is a callable ``start(run_dir, env, cwd) -> LauncherProcess``.
+Each backend is a callable ``start(run_dir, env, cwd, *, preload) -> launcher`` whose
+launcher has ``poll``, ``wait``, ``request``, ``kill`` and ``close``.
 "subprocess" (the default) runs the launcher as a child of the kernel and the
 ranks as the launcher's children. Scale-out backends would hand the same
 worker entry point to an existing engine (torchrun's agent, Ray, Slurm).
@@ -11,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from nbshard.backends.local import LauncherProcess, start_local
+from nbshard.backends.warm import WarmLauncher
 from nbshard.job import RunDir
 
-__all__ = ["BACKENDS", "LauncherProcess", "get_backend"]
+__all__ = ["BACKENDS", "LauncherProcess", "WarmLauncher", "get_backend"]
 
-Backend = Callable[[RunDir, Mapping[str, str], str], LauncherProcess]
+Backend = Callable[..., "LauncherProcess | WarmLauncher"]  # (run_dir, env, cwd, *, preload) -> launcher
 
 BACKENDS: dict[str, Backend] = {"subprocess": start_local}
 

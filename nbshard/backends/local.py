@@ -8,10 +8,13 @@ import signal
 import site
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from nbshard.job import RunDir
+from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
+from nbshard.files import read_json
+from nbshard.fresh import cold_command
+from nbshard.job import RunDir, rank_environment
 
 __all__ = ["LauncherProcess", "start_local"]
 
@@ -26,6 +29,8 @@ class LauncherProcess:
     launcher to stop every rank. No ``preexec_fn`` (unsafe in the threaded
     kernel) and no ``PR_SET_PDEATHSIG`` (it follows threads, not processes).
     """
+
+    note: str | None = None  # why this launch is cold, when the kernel asked for a warm one
 
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self._popen = popen
@@ -67,15 +72,35 @@ def _importable_env(env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def start_local(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
+def _start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
     with open(run_dir.launcher_log, "wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "nbshard.launcher", str(run_dir.path)],
+            cold_command("nbshard.launcher", str(run_dir.path)),
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_importable_env(env),
+            env=env,
             cwd=cwd,
             start_new_session=True,
         )
     return LauncherProcess(popen)
+
+
+def start_local(
+    run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None
+) -> LauncherProcess | WarmLauncher:
+    """The launcher of ``run_dir``: forked by the warm process when ``preload`` is given (the
+    modules it imports) and it can, else a fresh interpreter; ``.note`` says why it is cold."""
+    env = _importable_env(env)
+    if preload is None:
+        return _start_cold(run_dir, env, cwd)
+    spec = read_json(run_dir.launch)
+    rank_env = rank_environment(env, rank=0, nproc=spec["nproc"], master_port=0, run_id="", run_dir=run_dir)
+    cwd = os.path.abspath(cwd)
+    launched, note = warm_launch(run_dir, env, cwd, preload=preload, rank_env=rank_env)
+    if launched is not None:
+        return launched
+    launcher = _start_cold(run_dir, env, cwd)
+    launcher.note = note
+    start_pending_warm()
+    return launcher

@@ -1,0 +1,258 @@
+"""The kernel's side of warm start: one warm process per kernel, and launchers forked by it.
+
+``warm_launch`` either returns a launcher that the warm process forked, or says
+in one short line why this launch is cold (the caller then starts a cold one):
+the warm process is still importing, it could not be made safe to fork, the
+job's environment differs from it in a variable read at import time, or a
+module it imported changed on disk. In the last two cases it is replaced, so the
+next launch is warm again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from nbshard.job import TORCHRUN_VARIABLES, RunDir, import_time_environment
+
+__all__ = ["WarmLauncher", "WarmProcess", "close_warm", "restart_warm", "start_pending_warm", "warm_launch", "warm_status"]
+
+REPLY_WAIT = 10.0  # seconds the warm process may take to fork a launcher
+_COMMAND_LINE_ROOM = 4200  # empty arguments: room for a forked process to show its own command line
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initializing CUDA
+
+
+class WarmLauncher:
+    """A launcher forked by the warm process, with the verbs of ``LauncherProcess``.
+
+    Its stdin is a pipe whose write end only the kernel holds (commands and, at
+    its end, the kernel's death); its exit code comes from the warm process.
+    """
+
+    note: str | None = None
+
+    def __init__(self, pid: int, connection: socket.socket, commands: int) -> None:
+        self.pid = pid
+        self._connection = connection
+        self._commands = commands
+        self._returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self._returncode is None:
+            self._read_exit(0)
+        return self._returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._returncode is None:
+            self._read_exit(timeout)
+        if self._returncode is None:
+            raise subprocess.TimeoutExpired(f"launcher {self.pid}", timeout or 0)
+        return self._returncode
+
+    def _read_exit(self, timeout: float | None) -> None:
+        self._connection.settimeout(timeout)
+        try:
+            data = self._connection.recv(4096)
+        except (TimeoutError, BlockingIOError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._returncode = int(json.loads(data)["exit"])
+        elif not _alive(self.pid):  # the warm process went away first: the exit code is lost
+            self._returncode = -signal.SIGKILL
+
+    def request(self, command: bytes) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._commands, command)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._commands)
+        self._connection.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie waiting for the warm process counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+class WarmProcess:
+    """One warm process: started, asked to fork launchers, replaced, closed."""
+
+    def __init__(self, env: Mapping[str, str], preload: Sequence[str], cwd: str) -> None:
+        self.preload = tuple(preload)
+        self.signature = import_time_environment(env, self.preload)
+        env = {k: v for k, v in env.items() if k not in TORCHRUN_VARIABLES}
+        env.setdefault("OMP_NUM_THREADS", "1")  # as most ranks have it; OpenBLAS would start a thread without
+        self.directory = Path(tempfile.mkdtemp(prefix="nbshard-warm-"))  # 0700, this user's
+        self.token = secrets.token_hex(32)
+        self.started = time.time()
+        self.log = self.directory / "warm.log"
+        with open(self.log, "wb") as log:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "nbshard.forkserver", str(self.directory), *[""] * _COMMAND_LINE_ROOM],
+                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                env={**env, _NVML_CHECK: env.get(_NVML_CHECK, "1")}, start_new_session=True,
+            )
+        config = {"token": self.token, "preload": list(self.preload), "kernel_pid": os.getpid()}
+        assert self._popen.stdin is not None
+        self._popen.stdin.write(json.dumps(config).encode() + b"\n")
+        self._popen.stdin.flush()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def status(self) -> dict[str, Any]:
+        """``{"state": "starting" | "ready" | "failed" | "exited", ...}``."""
+        try:
+            status = json.loads((self.directory / "status.json").read_text())
+        except (OSError, ValueError):
+            status = None
+        exited = self._popen.poll() is not None
+        if status is not None and not status.get("ready"):
+            return {"state": "failed", "reason": status.get("reason", "unknown"), "log": str(self.log)}
+        if exited:
+            return {"state": "exited", "reason": f"the warm process exited with code {self._popen.returncode}", "log": str(self.log)}
+        if status is None:
+            return {"state": "starting", "pid": self.pid, "since": self.started}
+        return {"state": "ready", **status, "signature": self.signature, "log": str(self.log)}
+
+    def launch(self, run_dir: RunDir, env: Mapping[str, str], cwd: str) -> WarmLauncher | str:
+        """A forked launcher, or why the warm process refused (``"stale: ..."`` when a module
+        it imported changed)."""
+        commands_read, commands_write = os.pipe()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            connection.settimeout(REPLY_WAIT)
+            connection.connect(str(self.directory / "socket"))
+            with open(run_dir.launcher_log, "ab") as log:
+                message = json.dumps({"token": self.token, "run_dir": str(run_dir.path), "env": dict(env), "cwd": cwd})
+                socket.send_fds(connection, [message.encode()], [commands_read, log.fileno(), log.fileno()])
+            reply = json.loads(connection.recv(4096) or b'{"refused": "the warm process closed the connection"}')
+        except (OSError, ValueError) as error:
+            reply = {"refused": f"the warm process did not answer ({error})"}
+        finally:
+            os.close(commands_read)
+        if "pid" not in reply:
+            connection.close()
+            os.close(commands_write)
+            return ("stale: " if reply.get("stale") else "") + str(reply["refused"])
+        return WarmLauncher(int(reply["pid"]), connection, commands_write)
+
+    def close(self) -> None:
+        """Stop taking requests; the warm process exits once the launchers it forked end."""
+        if self._popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._popen.stdin.close()
+        if self._popen.poll() is None and not self._forked_launchers():
+            with contextlib.suppress(ProcessLookupError):
+                self._popen.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(0.5 if self._popen.poll() is None else 0)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _forked_launchers(self) -> bool:
+        with contextlib.suppress(OSError):
+            return bool(Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split())
+        return False
+
+
+_current: WarmProcess | None = None
+_pending: tuple[Mapping[str, str], tuple[str, ...], str] | None = None  # a warm process to start after this launch
+_said: set[str] = set()  # reasons already shown in a cell: one note per reason per kernel
+
+
+def _once(note: str) -> str | None:
+    if note in _said:
+        return None
+    _said.add(note)
+    return note
+
+
+def warm_launch(
+    run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str], rank_env: Mapping[str, str]
+) -> tuple[WarmLauncher | None, str | None]:
+    """A launcher forked by the warm process, or None and the note that says why not
+    (None when that reason was already said in this kernel). Starts or replaces the warm
+    process for the next launch where that helps."""
+    global _pending
+    wanted = import_time_environment(rank_env, tuple(preload))
+    if _current is None:
+        _pending = (rank_env, tuple(preload), cwd)
+        return None, None  # the first launch of a kernel is cold, as everyone expects: nothing to say
+    if _current.preload != tuple(preload) or _current.signature != wanted:
+        differs = sorted(k for k in {*wanted, *_current.signature} if wanted.get(k) != _current.signature.get(k))
+        _pending = (rank_env, tuple(preload), cwd)
+        what = f"the environment differs in {', '.join(differs)}, read at import" if differs else "the preloads changed"
+        return None, f"cold start: {what}; the warm process is being replaced to match"
+    status = _current.status()
+    if status["state"] == "starting":
+        return None, _once("cold start: the warm process is still importing; the next launches fork from it")
+    if status["state"] != "ready":
+        return None, _once(f"warm start is off for this kernel: {status['reason']} (see {status['log']})")
+    launched = _current.launch(run_dir, env, cwd)
+    if isinstance(launched, str):
+        if launched.startswith("stale: "):
+            _pending = (rank_env, tuple(preload), cwd)
+            return None, f"cold start: {launched.removeprefix('stale: ')}; the warm process is being replaced"
+        return None, f"cold start: {launched}"
+    return launched, None
+
+
+def start_pending_warm() -> None:
+    """Start (or replace) the warm process that ``warm_launch`` found wanting; called after
+    the cold launch, so the two do not compete for the CPU before the job starts."""
+    global _pending
+    if _pending is not None:
+        _replace(*_pending)
+        _pending = None
+
+
+def _replace(env: Mapping[str, str], preload: Sequence[str], cwd: str) -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+    _current = WarmProcess(env, preload, cwd)
+
+
+def warm_status() -> dict[str, Any]:
+    """The warm process's state: ``starting``, ``ready`` (pid, seconds it took, preloads),
+    ``failed`` (why), ``exited``, or ``none`` before the first launch."""
+    return _current.status() if _current is not None else {"state": "none"}
+
+
+def restart_warm(env: Mapping[str, str], preload: Sequence[str], cwd: str) -> None:
+    """Replace the warm process now (e.g. after installing a package)."""
+    _replace(env, preload, cwd)
+
+
+def close_warm() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None

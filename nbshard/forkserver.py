@@ -1,0 +1,230 @@
+"""The warm process: ``python -m nbshard.forkserver DIR``, one per kernel.
+
+It imports torch (and what ``nbshard.settings.preload`` names) once, checks that
+forking it is safe (one thread, no CUDA, a probe child not in a "bad fork"),
+then forks a fresh launcher for each job the kernel asks for; that launcher
+forks its ranks. It never runs user code itself.
+
+The kernel starts it in a session of its own and writes one JSON line to its
+stdin: a token, the modules to preload, the kernel's pid. Requests arrive on a
+Unix socket in DIR (mode 0700): one JSON message (no pickle) with the peer's
+uid checked and the token compared, and three file descriptors passed along
+(the launcher's command pipe and log). The reply is the launcher's pid, later
+its exit code. When the kernel dies (its pidfd, or the pipe's end) it stops
+taking requests and exits once its launchers, which watch the kernel too, end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hmac
+import importlib
+import json
+import os
+import selectors
+import shutil
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from nbshard.forking import fork_fresh
+
+__all__ = ["MAX_REQUEST_BYTES", "main"]
+
+MAX_REQUEST_BYTES = 1 << 20
+SOCKET_NAME = "socket"
+STATUS_NAME = "status.json"
+KERNEL_PIDFD_IN_LAUNCHER = 3
+_ALWAYS = ("nbshard.launcher", "nbshard.worker", "nbshard.pickling", "nbshard.monitor", "nbshard.cell")
+
+
+def _write_status(directory: Path, status: dict[str, Any]) -> None:
+    temporary = directory / f".{STATUS_NAME}.tmp"
+    temporary.write_text(json.dumps(status))
+    temporary.replace(directory / STATUS_NAME)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _unsafe_to_fork() -> str | None:
+    """Why forking this process now could hand a child a broken state; None when it is safe."""
+    if _threads() != 1:
+        return (
+            f"after the preloads this process runs {_threads()} threads (a library started one at import; "
+            "numpy's OpenBLAS does unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is set), and forking a "
+            "threaded process can copy a held lock"
+        )
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return "a preload initialized CUDA, which a forked process cannot use"
+    probe = os.fork()
+    if probe == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(probe, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return "a probe fork reports a bad fork (CUDA state was initialized by a preload)"
+    return None
+
+
+def _module_files() -> dict[str, tuple[int, int]]:
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and os.path.isabs(path):
+            with contextlib.suppress(OSError):
+                stat = os.stat(path)
+                files[path] = (stat.st_mtime_ns, stat.st_size)
+    return files
+
+
+def _changed_module(files: dict[str, tuple[int, int]]) -> str | None:
+    for path, (mtime, size) in files.items():
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return path
+        if (stat.st_mtime_ns, stat.st_size) != (mtime, size):
+            return path
+    return None
+
+
+class WarmServer:
+    def __init__(self, directory: Path, token: str, kernel_pidfd: int) -> None:
+        self.directory = directory
+        self.token = token.encode()
+        self.kernel_pidfd = kernel_pidfd
+        self.modules = _module_files()
+        self.selector = selectors.DefaultSelector()
+        self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        path = directory / SOCKET_NAME
+        self.listener.bind(str(path))
+        os.chmod(path, 0o600)
+        self.listener.listen(16)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listen")
+        self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "kernel")
+        self.selector.register(kernel_pidfd, selectors.EVENT_READ, "kernel")
+        self.launchers: dict[int, tuple[socket.socket, int]] = {}  # pid -> (its requester, its pidfd)
+
+    def serve(self) -> None:
+        while self.listener is not None or self.launchers:
+            for key, _ in self.selector.select():
+                if key.data == "listen" and self.listener is not None:
+                    connection, _ = self.listener.accept()
+                    self.selector.register(connection, selectors.EVENT_READ, "request")
+                elif key.data == "request":
+                    self.answer(key.fileobj)  # type: ignore[arg-type]
+                elif key.data == "kernel":
+                    self.stop_listening()
+                elif isinstance(key.data, int):
+                    self.report_exit(key.data)
+
+    def stop_listening(self) -> None:
+        """The kernel is gone: take no more requests; the launchers end on their own."""
+        for fd in (sys.stdin.fileno(), self.kernel_pidfd):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(fd)
+        if self.listener is not None:
+            self.selector.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+            (self.directory / SOCKET_NAME).unlink(missing_ok=True)
+
+    def answer(self, connection: socket.socket) -> None:
+        self.selector.unregister(connection)
+        fds: list[int] = []
+        try:
+            data, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, 3)
+            reply = self.launch(connection, data, fds)
+        except Exception as error:  # noqa: BLE001 - a bad request never takes the warm process down
+            reply = {"refused": f"the warm process could not launch: {error!r}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            connection.send(json.dumps(reply).encode())
+        if "pid" not in reply:
+            connection.close()
+
+    def launch(self, connection: socket.socket, data: bytes, fds: list[int]) -> dict[str, Any]:
+        pid, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():
+            return {"refused": f"a request from uid {uid} (pid {pid}), not this user's"}
+        request = json.loads(data)
+        if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token) or len(fds) != 3:
+            return {"refused": "a request without this kernel's token and descriptors"}
+        changed = _changed_module(self.modules)
+        if changed is not None:
+            return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
+        run_dir, env, cwd = str(request["run_dir"]), dict(request["env"]), str(request["cwd"])
+        from nbshard import launcher
+
+        child = fork_fresh(
+            lambda: launcher.main(run_dir, kernel_pidfd=KERNEL_PIDFD_IN_LAUNCHER, fork_ranks=True),
+            module="nbshard.launcher", run_dir=run_dir, env=env, cwd=cwd, stdio=fds,
+            keep={KERNEL_PIDFD_IN_LAUNCHER: self.kernel_pidfd}, new_session=True,
+        )
+        pidfd = os.pidfd_open(child)
+        self.launchers[child] = (connection, pidfd)
+        self.selector.register(pidfd, selectors.EVENT_READ, child)
+        return {"pid": child}
+
+    def report_exit(self, pid: int) -> None:
+        connection, pidfd = self.launchers.pop(pid)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+        connection.close()
+
+
+def _kernel_pidfd(kernel_pid: int) -> int | None:
+    """A pidfd of the kernel, taken while it is surely this process's parent (no pid reuse)."""
+    try:
+        pidfd = os.pidfd_open(kernel_pid)
+    except OSError:
+        return None
+    return pidfd if os.getppid() == kernel_pid else None
+
+
+def main(directory: str) -> int:
+    """Preload, check, then serve the kernel's launch requests until it goes away."""
+    started = time.monotonic()
+    root = Path(directory)
+    config = json.loads(sys.stdin.buffer.readline() or b"{}")
+    kernel_pidfd = _kernel_pidfd(int(config.get("kernel_pid", 0)))
+    if kernel_pidfd is None:
+        return 1  # the kernel is already gone
+    problem = None
+    for name in (*_ALWAYS, *config.get("preload", ())):
+        try:
+            importlib.import_module(name)
+        except BaseException as error:  # noqa: BLE001 - an import may even exit; say why and stop
+            problem = f"preloading {name} failed: {error!r}"
+            break
+    problem = problem or _unsafe_to_fork()
+    if problem is not None:
+        _write_status(root, {"ready": False, "reason": problem, "pid": os.getpid()})
+        return 1
+    gc.collect()
+    gc.freeze()  # forked children never touch these objects' pages for garbage collection
+    server = WarmServer(root, str(config["token"]), kernel_pidfd)
+    _write_status(root, {
+        "ready": True, "pid": os.getpid(), "seconds": round(time.monotonic() - started, 3),
+        "preloaded": list(config.get("preload", ())), "modules": len(server.modules),
+    })
+    server.serve()
+    shutil.rmtree(root, ignore_errors=True)  # the kernel may be gone and cannot clean up
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

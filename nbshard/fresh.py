@@ -1,0 +1,189 @@
+"""Make a process forked from the warm process look freshly started, in one place.
+
+A cold launcher or rank is ``python -m nbshard.<module> RUN_DIR`` started by
+``subprocess``. A warm one is a fork of the warm process, which has imported
+torch and holds its own sockets, signal handlers, environment, seeds and
+``__main__``. ``become_fresh`` resets everything user code can see to what the
+cold process would have; tests/test_warm.py compares the two field by field.
+
+What cannot be reset, and so makes the kernel launch cold instead (see
+``import_time_environment``): the interpreter's start-up flags and hash seed,
+the locale, and whatever a preloaded library read from the environment when it
+was imported (OpenMP's and OpenBLAS's thread counts among them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import os
+import signal
+import sys
+import types
+from collections.abc import Mapping, Sequence
+
+__all__ = ["MAIN_NAMES", "argv_area_size", "become_fresh", "cold_command"]
+
+# What ``python -m`` puts in ``__main__`` before the module's own code runs; a rank's
+# ``__main__`` holds these and the notebook's names, warm or cold.
+MAIN_NAMES = ("__name__", "__doc__", "__package__", "__loader__", "__spec__", "__file__", "__cached__", "__builtins__")
+
+# Signals CPython itself sets at start-up; every other one has its default action.
+_PYTHON_STARTUP_SIGNALS = {
+    signal.SIGINT: signal.default_int_handler,
+    signal.SIGPIPE: signal.SIG_IGN,
+    signal.SIGXFSZ: signal.SIG_IGN,
+}
+
+
+def cold_command(module: str, run_dir: str) -> list[str]:
+    """The command line a cold process of ``module`` has (and a warm one shows)."""
+    return [sys.executable, "-m", module, run_dir]
+
+
+def argv_area_size() -> int:
+    """Bytes of this process's command-line area, which a fork can rewrite in place."""
+    start, end = _argv_area()
+    return end - start
+
+
+def _argv_area() -> tuple[int, int]:
+    with open("/proc/self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of proc(5)
+
+
+def _show_command(argv: Sequence[str]) -> None:
+    """Rewrite what ``ps`` and ``/proc/PID/cmdline`` show. The warm process was started with
+    a command-line area large enough (empty arguments); the rest is zero-filled, which ps and
+    pgrep do not show."""
+    start, end = _argv_area()
+    text = b"".join(os.fsencode(arg) + b"\0" for arg in argv)
+    if len(text) > end - start:
+        raise ValueError(f"command line of {len(text)} bytes does not fit the warm process's {end - start}")
+    with open("/proc/self/mem", "r+b", buffering=0) as memory:
+        memory.seek(start)
+        memory.write(text.ljust(end - start, b"\0"))
+
+
+def _install_stdio(stdio: Sequence[int]) -> None:
+    """fds 0, 1, 2 from ``stdio``, and sys.std* rebuilt as CPython builds them at start-up
+    (same encoding, error handler and buffering as the warm process, which shares the
+    environment and flags they derive from)."""
+    for target, fd in enumerate(stdio):
+        if fd != target:
+            os.dup2(fd, target)
+    streams = []
+    for fd, (old, mode, name) in enumerate(
+        ((sys.__stdin__, "rb", "<stdin>"), (sys.__stdout__, "wb", "<stdout>"), (sys.__stderr__, "wb", "<stderr>"))
+    ):
+        raw = io.FileIO(fd, mode, closefd=False)
+        raw.name = name  # type: ignore[misc] - CPython names its std streams so
+        if isinstance(old.buffer, io.RawIOBase):  # python -u or PYTHONUNBUFFERED
+            buffer: io.RawIOBase | io.BufferedIOBase = raw
+        else:
+            buffer = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
+        text = io.TextIOWrapper(
+            buffer, encoding=old.encoding, errors=old.errors, newline="\n",
+            line_buffering=old.line_buffering, write_through=old.write_through,
+        )
+        text.mode = mode[0]  # type: ignore[misc]
+        streams.append(text)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
+
+
+def _close_inherited_fds(keep: Mapping[int, int]) -> None:
+    """Nothing of the warm process, the kernel or other ranks stays open: only fds 0-2 and
+    ``keep`` (target fd -> source fd, moved into place first) survive."""
+    for target, source in keep.items():
+        if source != target:
+            os.dup2(source, target)
+    for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _reset_signals() -> None:
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, _PYTHON_STARTUP_SIGNALS.get(signum, signal.SIG_DFL))
+
+
+def _set_environ(env: Mapping[str, str]) -> None:
+    """``os.environ`` and the C library's environment (putenv/unsetenv) both become ``env``."""
+    for name in list(os.environ):
+        if name not in env:
+            del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def _fresh_main(module: str, argv0: str) -> None:
+    """A ``__main__`` as ``python -m module`` has one, without the module's own names (the
+    cold entry points empty it too), so the notebook's names are the only ones in it."""
+    spec = importlib.util.find_spec(module)
+    main = types.ModuleType("__main__")
+    main.__file__ = argv0
+    main.__cached__ = spec.cached if spec is not None else None  # type: ignore[attr-defined]
+    main.__loader__ = spec.loader if spec is not None else None
+    main.__spec__ = spec
+    main.__package__ = module.rpartition(".")[0]
+    main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+
+
+def _reseed() -> None:
+    """Every forked process would otherwise share the warm process's random state, where each
+    cold process seeds its own (``random`` reseeds itself at fork)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _apply_thread_pool(env: Mapping[str, str]) -> None:
+    """torch's intra-op pool as a cold process would size it: OpenMP reads OMP_NUM_THREADS
+    once, when it loads, which was in the warm process; unset, it is the number of CPUs
+    this process may run on. (Other values than a plain count make the launch cold.)"""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    wanted = env.get("OMP_NUM_THREADS", "")
+    count = int(wanted) if wanted.isdigit() and int(wanted) > 0 else len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
+def become_fresh(
+    *, module: str, run_dir: str, env: Mapping[str, str], cwd: str, stdio: Sequence[int], keep: Mapping[int, int] | None = None
+) -> None:
+    """Turn this just-forked child into what ``python -m module run_dir`` started with ``env``
+    in ``cwd`` would be. ``keep`` maps fds to keep (target -> source) beyond stdio."""
+    _install_stdio(stdio)
+    _close_inherited_fds(dict(keep or {}))
+    _reset_signals()
+    _set_environ(env)
+    os.chdir(cwd)
+    cwd = os.getcwd()
+    command = cold_command(module, run_dir)
+    spec = importlib.util.find_spec(module)
+    argv0 = spec.origin if spec is not None and spec.origin else module
+    sys.argv = [argv0, run_dir]
+    sys.orig_argv = command
+    with contextlib.suppress(OSError, ValueError):
+        _show_command(command)
+    _fresh_main(module, argv0)
+    sys.path[0] = cwd  # python -m puts the working directory first
+    importlib.invalidate_caches()
+    _reseed()
+    _apply_thread_pool(env)

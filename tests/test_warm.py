@@ -1,0 +1,176 @@
+"""Warm start: launchers and ranks forked from a warm process that has imported torch.
+
+A warm rank must be indistinguishable from a cold one to user code; a launch that
+cannot be warm is cold and says why; the channel to the warm process takes only
+this user's requests with the token; nothing outlives the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import programs
+import pytest
+from conftest import processes_of, wait_until_gone
+
+import nbshard
+from nbshard.backends import warm
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def warm_ready(within: float = 90.0) -> dict:
+    """Start the warm process if there is none, and wait until it takes launches."""
+    if nbshard.warm_status()["state"] in ("none", "failed", "exited"):
+        nbshard.restart_warm()
+    deadline = time.monotonic() + within
+    while (status := nbshard.warm_status())["state"] == "starting":
+        assert time.monotonic() < deadline, "the warm process did not get ready in time"
+        time.sleep(0.1)
+    assert status["state"] == "ready", status
+    return status
+
+
+@pytest.fixture
+def warm_on(monkeypatch):
+    monkeypatch.setattr(nbshard.settings, "warm", True)
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch"])
+    return warm_ready()
+
+
+def run_state(tmp_path: Path, *, warm_start: bool, nproc: int = 2, **options):
+    # No sampler thread: the fds a rank holds are then only what it inherited, no race with it.
+    handle = nbshard.submit(programs.process_state, nproc=nproc, return_all=True, cwd=str(tmp_path), sample_interval=None, **options)
+    states = handle.result(timeout=120)
+    assert handle.warm is warm_start, handle.launch_note
+    return states
+
+
+@pytest.mark.parametrize("nproc", [2, 1])  # OMP_NUM_THREADS=1 as torchrun sets it; unset
+def test_a_warm_rank_is_indistinguishable_from_a_cold_one(tmp_path, monkeypatch, warm_on, nproc):
+    monkeypatch.setattr(nbshard.settings, "warm", False)
+    cold = run_state(tmp_path, warm_start=False, nproc=nproc) * (3 - nproc)
+    monkeypatch.setattr(nbshard.settings, "warm", True)
+    first = run_state(tmp_path, warm_start=True, nproc=nproc) * (3 - nproc)
+    second = run_state(tmp_path, warm_start=True, nproc=nproc) * (3 - nproc)
+    for rank in range(nproc):
+        for key, value in cold[rank].items():
+            if key not in ("seed", "random"):
+                assert first[rank][key] == value, f"rank {rank}: {key} differs warm vs cold"
+    assert cold[0]["ps"].endswith("-m nbshard.worker RUN_DIR")
+    assert cold[0]["cwd"] == str(tmp_path) and str(tmp_path) in cold[0]["path"]
+    assert cold[0]["C environ agrees"]
+    for key in ("seed", "random"):  # every process seeds its own, as cold ones do
+        values = [state[key] for state in {id(s): s for s in (*cold, *first, *second)}.values()]
+        assert len(set(values)) == len(values), f"{key} shared between processes: {values}"
+
+
+def test_thread_pool_size_follows_the_job_environment(tmp_path, warm_on):
+    """OpenMP reads OMP_NUM_THREADS when it loads, in the warm process: a forked rank gets the
+    job's count applied; a value that is not a plain count makes the launch cold, saying why,
+    and the warm process is replaced to match it."""
+    assert [s["threads"][0] for s in run_state(tmp_path, warm_start=True, env={"OMP_NUM_THREADS": "2"})] == [2, 2]
+    handle = nbshard.submit(programs.rank_and_value, 1, nproc=2, env={"OMP_NUM_THREADS": "1,1"})
+    assert handle.result(timeout=120) == 0
+    assert not handle.warm and "OMP_NUM_THREADS" in handle.launch_note
+    warm_ready()
+    handle = nbshard.submit(programs.rank_and_value, 1, nproc=2, env={"OMP_NUM_THREADS": "1,1"})
+    assert handle.result(timeout=120) == 0 and handle.warm
+
+
+def test_a_changed_preloaded_module_is_never_used_stale(tmp_path, monkeypatch, warm_on):
+    module = tmp_path / "preloaded_helper.py"
+    module.write_text("VALUE = 'old'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch", "preloaded_helper"])
+    nbshard.run(programs.rank_and_value, 1, nproc=1)  # starts a warm process with the new preload
+    warm_ready()
+
+    def value():
+        import preloaded_helper
+
+        return preloaded_helper.VALUE
+
+    handle = nbshard.submit(value, nproc=1)
+    assert handle.result(timeout=60) == "old" and handle.warm
+    module.write_text("VALUE = 'new, and longer'\n")
+    handle = nbshard.submit(value, nproc=1)
+    assert handle.result(timeout=60) == "new, and longer"
+    assert not handle.warm and "preloaded_helper.py changed on disk" in handle.launch_note
+    warm_ready()
+    handle = nbshard.submit(value, nproc=1)
+    assert handle.result(timeout=60) == "new, and longer" and handle.warm
+
+
+def test_a_preload_that_starts_a_thread_turns_warm_start_off_with_one_note(tmp_path, monkeypatch, warm_on):
+    (tmp_path / "starts_a_thread.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch", "starts_a_thread"])
+    nbshard.run(programs.rank_and_value, 1, nproc=1)
+    deadline = time.monotonic() + 90
+    while nbshard.warm_status()["state"] == "starting":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    status = nbshard.warm_status()
+    assert status["state"] == "failed" and "threads" in status["reason"], status
+    handles = [nbshard.submit(programs.rank_and_value, 3, nproc=1) for _ in range(2)]
+    assert [h.result(timeout=60) for h in handles] == [0, 0]
+    assert not any(h.warm for h in handles)
+    assert "warm start is off" in handles[0].launch_note and "threads" in handles[0].launch_note
+    assert handles[1].launch_note is None  # said once
+
+
+def test_the_channel_takes_only_this_users_requests_with_the_token(tmp_path, warm_on):
+    directory = warm._current.directory
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    assert os.stat(directory / "socket").st_mode & 0o777 == 0o600
+    # The right user without the token: refused, and the warm process serves on.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+        client.connect(str(directory / "socket"))
+        read, write = os.pipe()
+        socket.send_fds(client, [json.dumps({"token": "0" * 64, "run_dir": str(tmp_path), "env": {}, "cwd": "/"}).encode()], [read, write, write])
+        os.close(read), os.close(write)
+        assert "token" in json.loads(client.recv(4096))["refused"]
+    # Another user cannot reach the socket at all.
+    if os.geteuid() == 0:
+        probe = (
+            "import os, socket; os.setgid(65534); os.setuid(65534); s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+            f"try: s.connect({str(directory / 'socket')!r}); print('connected')\nexcept PermissionError: print('refused')"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "refused", out
+    assert run_state(tmp_path, warm_start=True)[1]["environ"]["RANK"] == "1"
+
+
+def test_a_killed_kernel_takes_the_warm_process_and_its_jobs_along_within_5_seconds(script, runs_dir):
+    kernel = script(
+        """
+        import time, nbshard, programs
+        nbshard.run(programs.rank_and_value, 1, nproc=2)
+        while nbshard.warm_status()["state"] == "starting":
+            time.sleep(0.1)
+        handle = nbshard.submit(programs.wait_in_collective, nproc=2)
+        print("warm", handle.warm, nbshard.warm_status()["pid"], flush=True)
+        handle.watch()
+        """
+    )
+    line = kernel.wait_for("warm ", timeout=120)
+    _, was_warm, warm_pid = line.split()
+    assert was_warm == "True"
+    kernel.wait_for("ready")
+    kernel.wait_for("ready")
+    run_dir = max(runs_dir.iterdir())
+    assert len(processes_of(run_dir)) == 3
+    kernel.process.kill()
+    killed_at = time.monotonic()
+    assert not wait_until_gone(run_dir, within=5.0)
+    while Path(f"/proc/{warm_pid}").exists() and "Z" not in Path(f"/proc/{warm_pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+        assert time.monotonic() - killed_at < 5.0, "the warm process outlived its kernel"
+        time.sleep(0.05)
