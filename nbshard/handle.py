@@ -8,6 +8,8 @@ its exception. Nothing here imports torch.
 from __future__ import annotations
 
 import collections
+import contextlib
+import subprocess
 import sys
 import threading
 import time
@@ -264,7 +266,9 @@ class JobHandle:
         return to_frame(records) if frame else list(records)
 
     def peak_memory(self) -> dict[int, dict[str, int | None]]:
-        """Per rank: peak resident CPU memory, and peak GPU memory allocated / held (bytes)."""
+        """Per rank: peak resident CPU memory (and, for a warm rank, its peak proportional share
+        ``cpu_peak_pss``: pages shared with the warm process divided among their sharers), and
+        peak GPU memory allocated / held (bytes)."""
         return self._telemetry.peaks()
 
     def summary(self) -> str:
@@ -323,6 +327,9 @@ class JobHandle:
             while True:
                 for message in self._receiver.receive(0.05):
                     end_seen |= self._on_message(message)
+                if end_seen:  # the launcher's last word: wait for its exit, not for the next tick
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self._launcher.wait(END_MESSAGE_WAIT)
                 now = time.monotonic()
                 if self._launcher.poll() is not None:
                     exited_at = exited_at or now

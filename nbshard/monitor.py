@@ -8,6 +8,7 @@ when installed, for what the process really holds on the device.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import os
@@ -19,7 +20,7 @@ from typing import Any
 
 from nbshard.wire import Sender
 
-__all__ = ["Monitor", "log_metrics", "sample_memory"]
+__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory"]
 
 LINGER_MS = 500  # a rank's exit waits at most this long for a slow kernel
 
@@ -39,6 +40,42 @@ def _resident_bytes() -> tuple[int, int]:
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
     resident = resident_pages * _PAGE_SIZE
     return resident, max(resident, peak_kib * 1024)  # the kernel updates the peak lazily
+
+
+class _ProportionalMemory:
+    """Resident memory with the pages shared with the warm process divided among the processes
+    that share them (PSS). A forked rank's resident size counts every page of torch it shares
+    with the warm process and its sibling ranks as its own; the proportional share does not.
+    Reading smaps_rollup costs milliseconds, so it is read at most once a second, and between
+    reads the shared part is taken as unchanged."""
+
+    REFRESH = 1.0
+
+    def __init__(self) -> None:
+        self.on = False
+        self._read_at = float("-inf")
+        self._shared = 0  # resident minus proportional, at the last read
+        self.peak = 0
+
+    def __call__(self, rss: int) -> int:
+        if time.monotonic() - self._read_at >= self.REFRESH:
+            with open("/proc/self/smaps_rollup", "rb") as rollup:
+                for line in rollup:
+                    if line.startswith(b"Pss:"):
+                        self._shared = max(rss - int(line.split()[1]) * 1024, 0)
+                        break
+            self._read_at = time.monotonic()
+        pss = max(rss - self._shared, 0)
+        self.peak = max(self.peak, pss)
+        return pss
+
+
+_proportional = _ProportionalMemory()
+
+
+def count_proportional_memory() -> None:
+    """Report PSS besides RSS: this process was forked from the warm process."""
+    _proportional.on = True
 
 
 class _NvmlUsage:
@@ -115,7 +152,11 @@ def sample_memory() -> dict[str, Any]:
         gpus = _gpu_memory()
     except Exception:  # noqa: BLE001 - telemetry must never fail or print into the job
         gpus = []
-    return {"rss": rss, "peak_rss": peak_rss, "gpus": gpus}
+    sample = {"rss": rss, "peak_rss": peak_rss, "gpus": gpus}
+    if _proportional.on:
+        with contextlib.suppress(OSError, ValueError):
+            sample.update(pss=_proportional(rss), peak_pss=_proportional.peak)
+    return sample
 
 
 class Monitor:

@@ -17,7 +17,10 @@ KEPT = 100_000  # memory and metrics records kept in the kernel while a job runs
 
 def _records_of_sample(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One flat record per device (or one without GPU fields), ready for a DataFrame."""
-    cpu = {"rank": message["rank"], "time": message["time"], "cpu_rss": message["rss"], "cpu_peak_rss": message["peak_rss"]}
+    cpu = {
+        "rank": message["rank"], "time": message["time"], "cpu_rss": message["rss"], "cpu_peak_rss": message["peak_rss"],
+        "cpu_pss": message.get("pss"), "cpu_peak_pss": message.get("peak_pss"),  # forked (warm) ranks only
+    }
     gpus = message.get("gpus") or [{}]
     return [
         {
@@ -78,7 +81,7 @@ class Telemetry:
                 self._memory.extend(records)
                 self._latest[rank] = records[0]
                 device, shown = _shown_bytes(records[0])
-                true_peak = records[0]["gpu_peak_allocated" if device == "GPU" else "cpu_peak_rss"] or 0
+                true_peak = records[0][_PEAK_FIELD[device]] or 0
                 self._history[rank].append(shown)
                 self._peak[rank] = max(self._peak.get(rank, 0.0), shown, float(true_peak))
             else:
@@ -104,9 +107,11 @@ class Telemetry:
         """Per rank: the highest resident CPU memory and GPU memory seen (bytes)."""
         peaks: dict[int, dict[str, int | None]] = {}
         for record in self.memory():
-            peak = peaks.setdefault(record["rank"], {"cpu_peak_rss": 0, "gpu_peak_allocated": None, "gpu_peak_used": None})
+            peak = peaks.setdefault(
+                record["rank"], {"cpu_peak_rss": 0, "cpu_peak_pss": None, "gpu_peak_allocated": None, "gpu_peak_used": None}
+            )
             peak["cpu_peak_rss"] = max(peak["cpu_peak_rss"] or 0, record["cpu_peak_rss"])
-            for field, source in (("gpu_peak_allocated", "gpu_peak_allocated"), ("gpu_peak_used", "gpu_used")):
+            for field, source in (("cpu_peak_pss", "cpu_peak_pss"), ("gpu_peak_allocated", "gpu_peak_allocated"), ("gpu_peak_used", "gpu_used")):
                 if record[source] is not None:
                     peak[field] = max(peak[field] or 0, record[source])
         return dict(sorted(peaks.items()))
@@ -126,10 +131,16 @@ class Telemetry:
             return views
 
 
+_PEAK_FIELD = {"GPU": "gpu_peak_allocated", "CPU": "cpu_peak_rss", "CPU PSS": "cpu_peak_pss"}
+
+
 def _shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
-    """The memory that matters for a rank: its GPU's when it uses one, else resident CPU memory."""
+    """The memory that matters for a rank: its GPU's when it uses one, else resident CPU memory,
+    as its proportional share (PSS) when it was forked from the warm process and shares pages."""
     if record.get("gpu_allocated") is not None:
         return "GPU", float(record["gpu_used"] if record.get("gpu_used") is not None else record["gpu_reserved"])
+    if record.get("cpu_pss") is not None:
+        return "CPU PSS", float(record["cpu_pss"])
     return "CPU", float(record["cpu_rss"])
 
 

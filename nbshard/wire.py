@@ -20,7 +20,7 @@ Message kinds:
 - ``dropped``: ``{"rank", "count", "log"}``: lines not streamed live because the
   kernel read too slowly; the log file still holds them.
 - ``event``: ``{"event", ...}``: lifecycle news from the launcher.
-- ``sample``: ``{"rank", "time", "rss", "peak_rss", "gpus": [...]}``: a rank's memory.
+- ``sample``: ``{"rank", "time", "rss", "peak_rss", "gpus": [...]}`` (and ``"pss", "peak_pss"`` from a warm rank): a rank's memory.
 - ``metrics``: ``{"rank", "time", "step", "values": {name: number}}``: from ``log_metrics``.
 - ``end``: the launcher's last message.
 """

@@ -228,7 +228,9 @@ def run_as_main(namespace: dict[str, Any]) -> None:
 
 
 def run_forked(run_dir: str) -> int:
-    """A rank forked from a warm launcher: its ``__main__`` is already fresh (nbshard.fresh)."""
+    """A rank forked from a warm launcher: its ``__main__`` is already fresh (nbshard.fresh),
+    and its memory is shown as its proportional share (PSS): it shares torch's pages."""
+    monitor.count_proportional_memory()
     _exit(main(run_dir))
     return 1  # not reached: _exit ends the process
 

@@ -84,3 +84,66 @@ def test_fsdp_helper_from_scratch_on_gpus_matches_one_process():
     result = nbshard.run(sharded_models.from_scratch, 0, nproc=nproc)
     assert_same_state(result["state"], reference(0).state_dict())
     assert result["tied"]
+
+
+def cuda_processes() -> set[int] | None:
+    """PIDs holding a CUDA context, from NVML (nvidia-smi); None where it cannot tell."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+    return {int(line) for line in out.stdout.split() if line.strip().isdigit()} if out.returncode == 0 else None
+
+
+def warm_nccl_rank(hold_for):
+    import time
+
+    import torch
+
+    backend = nbshard.init_process_group()
+    tensor = torch.ones(2, device=nbshard.device())
+    torch.distributed.all_reduce(tensor)
+    time.sleep(hold_for)  # CUDA stays held while the test reads NVML's process list
+    return {"backend": backend, "sum": tensor.sum().item(), "bad fork": torch.cuda._is_in_bad_fork(), "pid": __import__("os").getpid()}
+
+
+def test_forked_ranks_initialize_cuda_and_nccl_themselves_and_the_warm_process_holds_no_context(monkeypatch):
+    import time
+
+    from test_warm import warm_ready
+
+    monkeypatch.setattr(nbshard.settings, "warm", True)
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch"])
+    warm_pid = warm_ready()["pid"]
+    nproc = min(gpu_count(), 2)
+    handle = nbshard.submit(warm_nccl_rank, 8.0, nproc=nproc, return_all=True)
+    assert handle.warm, handle.launch_note
+    time.sleep(5.0)
+    holders = cuda_processes()
+    results = handle.result(timeout=120)
+    for result in results:
+        assert result == {"backend": "nccl", "sum": 2.0 * nproc, "bad fork": False, "pid": result["pid"]}
+    if holders is not None:  # NVML sees the ranks' contexts, never the warm process's
+        assert {r["pid"] for r in results} <= holders and warm_pid not in holders, (holders, warm_pid)
+    assert nbshard.warm_status()["state"] == "ready"
+
+
+def test_a_preload_that_initializes_cuda_turns_warm_start_off(tmp_path, monkeypatch):
+    import os
+    import time
+
+    (tmp_path / "initializes_cuda.py").write_text("import torch\ntorch.cuda.init()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(nbshard.settings, "warm", True)
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch", "initializes_cuda"])
+    nbshard.restart_warm()
+    deadline = time.monotonic() + 120
+    while nbshard.warm_status()["state"] == "starting":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    status = nbshard.warm_status()
+    assert status["state"] == "failed" and "CUDA" in status["reason"], status
+    handle = nbshard.submit(cuda_result, nproc=1)
+    assert handle.result(timeout=120)["backend"] == "nccl" and not handle.warm

@@ -54,7 +54,7 @@ def test_telemetry_keeps_records_peaks_and_views():
     assert not telemetry.add({"kind": "sample", "rank": 5, "time": 1.0, "rss": 1, "peak_rss": 1})  # no such rank
     assert [r["cpu_rss"] for r in telemetry.memory()] == [100 * MIB, 300 * MIB, 150 * MIB]
     assert telemetry.metrics() == [{"rank": 1, "time": 2.5, "step": 7, "loss": 0.25}]
-    assert telemetry.peaks() == {0: {"cpu_peak_rss": 300 * MIB, "gpu_peak_allocated": None, "gpu_peak_used": None}}
+    assert telemetry.peaks() == {0: {"cpu_peak_rss": 300 * MIB, "cpu_peak_pss": None, "gpu_peak_allocated": None, "gpu_peak_used": None}}
     rank0, rank1 = telemetry.views()
     assert (rank0.device, rank0.current, rank0.peak) == ("CPU", 150 * MIB, 300 * MIB)
     assert rank0.history == [100 * MIB, 300 * MIB, 150 * MIB]

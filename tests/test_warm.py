@@ -174,3 +174,28 @@ def test_a_killed_kernel_takes_the_warm_process_and_its_jobs_along_within_5_seco
     while Path(f"/proc/{warm_pid}").exists() and "Z" not in Path(f"/proc/{warm_pid}/stat").read_text().rsplit(")", 1)[1][:3]:
         assert time.monotonic() - killed_at < 5.0, "the warm process outlived its kernel"
         time.sleep(0.05)
+
+
+def test_a_warm_ranks_memory_is_its_proportional_share_and_says_so(tmp_path, monkeypatch, warm_on, capsys):
+    """A forked rank shares torch's pages with the warm process: its resident size counts them
+    all, its proportional share (PSS) divides them; that is shown, and named."""
+
+    def hold(megabytes):
+        import time
+
+        block = bytearray(megabytes << 20)  # private to this rank
+        time.sleep(1.5)
+        return len(block)
+
+    handle = nbshard.submit(hold, 64, nproc=2, sample_interval=0.2)
+    assert handle.result(timeout=60) == 64 << 20 and handle.warm
+    handle.watch()
+    for rank, peak in handle.peak_memory().items():
+        assert 64 << 20 < peak["cpu_peak_pss"] < peak["cpu_peak_rss"] - (50 << 20), (rank, peak)
+    assert "rank 0 CPU PSS" in capsys.readouterr().out
+    monkeypatch.setattr(nbshard.settings, "warm", False)
+    cold = nbshard.submit(hold, 1, nproc=1, sample_interval=0.2)
+    cold.watch()
+    assert cold.result(timeout=60) == 1 << 20 and not cold.warm
+    assert cold.peak_memory()[0]["cpu_peak_pss"] is None  # a cold rank shares nothing: resident is its own
+    assert "rank 0 CPU " in capsys.readouterr().out
