@@ -132,18 +132,15 @@ def test_forked_ranks_initialize_cuda_and_nccl_themselves_and_the_warm_process_h
 
 def test_a_preload_that_initializes_cuda_turns_warm_start_off(tmp_path, monkeypatch):
     import os
-    import time
+
+    from test_warm import warm_settled
 
     (tmp_path / "initializes_cuda.py").write_text("import torch\ntorch.cuda.init()\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(nbshard.settings, "warm", True)
     monkeypatch.setattr(nbshard.settings, "preload", ["torch", "initializes_cuda"])
     nbshard.restart_warm()
-    deadline = time.monotonic() + 120
-    while nbshard.warm_status()["state"] == "starting":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    status = nbshard.warm_status()
+    status = warm_settled()
     assert status["state"] == "failed" and "CUDA" in status["reason"], status
     handle = nbshard.submit(cuda_result, nproc=1)
     assert handle.result(timeout=120)["backend"] == "nccl" and not handle.warm

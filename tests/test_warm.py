@@ -25,14 +25,20 @@ from nbshard.backends import warm
 pytestmark = pytest.mark.timeout(300)
 
 
-def warm_ready(within: float = 90.0) -> dict:
+def warm_settled(within: float = 120.0) -> dict:
+    """The warm process's status once it is no longer starting."""
+    deadline = time.monotonic() + within
+    while (status := nbshard.warm_status())["state"] == "starting":
+        assert time.monotonic() < deadline, "the warm process did not get ready (or fail) in time"
+        time.sleep(0.1)
+    return status
+
+
+def warm_ready() -> dict:
     """Start the warm process if there is none, and wait until it takes launches."""
     if nbshard.warm_status()["state"] in ("none", "failed", "exited"):
         nbshard.restart_warm()
-    deadline = time.monotonic() + within
-    while (status := nbshard.warm_status())["state"] == "starting":
-        assert time.monotonic() < deadline, "the warm process did not get ready in time"
-        time.sleep(0.1)
+    status = warm_settled()
     assert status["state"] == "ready", status
     return status
 
@@ -114,11 +120,7 @@ def test_a_preload_that_starts_a_thread_turns_warm_start_off_with_one_note(tmp_p
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(nbshard.settings, "preload", ["torch", "starts_a_thread"])
     nbshard.run(programs.rank_and_value, 1, nproc=1)
-    deadline = time.monotonic() + 90
-    while nbshard.warm_status()["state"] == "starting":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    status = nbshard.warm_status()
+    status = warm_settled()
     assert status["state"] == "failed" and "threads" in status["reason"], status
     handles = [nbshard.submit(programs.rank_and_value, 3, nproc=1) for _ in range(2)]
     assert [h.result(timeout=60) for h in handles] == [0, 0]

@@ -9,11 +9,10 @@ worker entry point to an existing engine (torchrun's agent, Ray, Slurm).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from nbshard.backends.local import LauncherProcess, start_local
 from nbshard.backends.warm import WarmLauncher
-from nbshard.job import RunDir
 
 __all__ = ["BACKENDS", "LauncherProcess", "WarmLauncher", "get_backend"]
 

@@ -7,7 +7,6 @@ import os
 import signal
 import site
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
