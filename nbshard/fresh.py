@@ -9,7 +9,7 @@ cold process would have; tests/test_warm.py compares the two field by field.
 What cannot be reset, and so makes the kernel launch cold instead (see
 ``import_time_environment``): the interpreter's start-up flags and hash seed,
 the locale, and whatever a preloaded library read from the environment when it
-was imported (OpenMP's and OpenBLAS's thread counts among them).
+was imported (OpenBLAS's thread count among them; OpenMP's plain count is applied).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import signal
 import sys
 import types
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["MAIN_NAMES", "argv_area_size", "become_fresh", "cold_command"]
+__all__ = ["MAIN_NAMES", "become_fresh", "cold_command"]
 
 # What ``python -m`` puts in ``__main__`` before the module's own code runs; a rank's
 # ``__main__`` holds these and the notebook's names, warm or cold.
@@ -41,12 +42,6 @@ _PYTHON_STARTUP_SIGNALS = {
 def cold_command(module: str, run_dir: str) -> list[str]:
     """The command line a cold process of ``module`` has (and a warm one shows)."""
     return [sys.executable, "-m", module, run_dir]
-
-
-def argv_area_size() -> int:
-    """Bytes of this process's command-line area, which a fork can rewrite in place."""
-    start, end = _argv_area()
-    return end - start
 
 
 def _argv_area() -> tuple[int, int]:
@@ -126,10 +121,9 @@ def _set_environ(env: Mapping[str, str]) -> None:
             os.environ[name] = value
 
 
-def _fresh_main(module: str, argv0: str) -> None:
+def _fresh_main(module: str, spec: Any, argv0: str) -> None:
     """A ``__main__`` as ``python -m module`` has one, without the module's own names (the
     cold entry points empty it too), so the notebook's names are the only ones in it."""
-    spec = importlib.util.find_spec(module)
     main = types.ModuleType("__main__")
     main.__file__ = argv0
     main.__cached__ = spec.cached if spec is not None else None  # type: ignore[attr-defined]
@@ -182,7 +176,7 @@ def become_fresh(
     sys.orig_argv = command
     with contextlib.suppress(OSError, ValueError):
         _show_command(command)
-    _fresh_main(module, argv0)
+    _fresh_main(module, spec, argv0)
     sys.path[0] = cwd  # python -m puts the working directory first
     importlib.invalidate_caches()
     _reseed()
