@@ -9,10 +9,13 @@ from nbshard.client import (
     JobHandle, Settings, TooManyRanks, cancel_all, jobs, restart_warm, run, settings, submit, warm_status,
 )
 from nbshard.dist import device, init_process_group
-from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError
+from nbshard.errors import (
+    JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError, SessionLost,
+)
 from nbshard.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.job import Job
 from nbshard.monitor import log_metrics
+from nbshard.persistent import Session, SessionBusy, session, sessions
 
 __all__ = [
     "Job",
@@ -25,6 +28,9 @@ __all__ = [
     "KernelHoldsCUDA",
     "RankFailure",
     "RemoteError",
+    "Session",
+    "SessionBusy",
+    "SessionLost",
     "Settings",
     "TooManyRanks",
     "cancel_all",
@@ -36,6 +42,8 @@ __all__ = [
     "log_metrics",
     "restart_warm",
     "run",
+    "session",
+    "sessions",
     "settings",
     "submit",
     "warm_status",

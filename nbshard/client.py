@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends import get_backend, warm
+from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
 from nbshard.backends.local import _importable_env
 from nbshard.files import make_private_dirs, write_atomic, write_json
 from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
@@ -146,6 +146,14 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     the function's own keyword arguments as ``kwargs={...}``) or a ``Job``.
     """
     job = _as_job(target, args, options)
+    payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
+    return JobHandle(job, *launch(job, payload))
+
+
+def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:
+    """Start the launcher of ``job`` (its ``payload`` written as the run's job file; ``spec``:
+    more of what the launcher reads, e.g. for a session); returns (nproc, run dir, launcher,
+    the socket its messages arrive on)."""
     if sys.platform != "linux":
         raise RuntimeError(
             f"nbshard runs jobs on Linux only (this is {sys.platform}): it relies on Linux "
@@ -159,19 +167,19 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
     _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
-    payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
     run_dir = _new_run_dir(job.label)
     receiver = None
     try:
         key = new_key()
         write_atomic(run_dir.key, key)
-        write_atomic(run_dir.job, payload)
+        if payload is not None:
+            write_atomic(run_dir.job, payload)
         receiver = Receiver(key)
         write_json(run_dir.launch, {
             "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
             "grace": job.grace, "master_port": job.master_port, "run_id": run_dir.path.name,
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
-            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(),
+            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), **spec,
         })
         env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)
         launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)
@@ -185,7 +193,7 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
                 "there, or set NBSHARD_RUNS_DIR (or nbshard.settings.runs_dir) to another filesystem."
             )) from error
         raise
-    return JobHandle(job, nproc, run_dir, launcher, receiver)
+    return nproc, run_dir, launcher, receiver
 
 
 def run(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:

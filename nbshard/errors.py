@@ -26,6 +26,7 @@ __all__ = [
     "JobTimedOut",
     "RankFailure",
     "RemoteError",
+    "SessionLost",
     "likely_cause",
     "remote_exception",
     "short_traceback",
@@ -169,6 +170,11 @@ class JobTimedOut(JobFailed):
     """The job ran past its ``timeout=`` and was stopped."""
 
 
+class SessionLost(JobFailed):
+    """A persistent session's ranks were stopped (a rank died, a call could not be left, the
+    ranks' collectives no longer agree); ``session.restart()`` starts new ones."""
+
+
 class JobCancelled(JobError, concurrent.futures.CancelledError):
     """The job was cancelled (``handle.cancel()``, an interrupt, ``nbshard.cancel_all()``).
 
@@ -183,10 +189,10 @@ class JobInterrupted(KeyboardInterrupt):
     ``cancelled`` is the job's ``JobCancelled``, with where each rank was.
     """
 
-    def __init__(self, label: str, cancelled: JobError | None) -> None:
+    def __init__(self, label: str, cancelled: JobError | None, then: str = "its ranks were stopped") -> None:
         self.cancelled = cancelled
         where = str(cancelled).split("\n", 1)[1:] if cancelled is not None else []
-        super().__init__("\n".join([f"{label} was interrupted, and its ranks were stopped.", *where]))
+        super().__init__("\n".join([f"{label} was interrupted, and {then}.", *where]))
 
     def _render_traceback_(self) -> list[str]:
         return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self}"]  # what a person pressed for

@@ -86,14 +86,17 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_rank(main: Callable[[], int], *, run_dir: str, env: Mapping[str, str], cwd: str) -> ForkedProcess:
+def fork_rank(
+    main: Callable[[], int], *, run_dir: str, env: Mapping[str, str], cwd: str, keep: Sequence[int] = ()
+) -> ForkedProcess:
     """A rank forked from a single-threaded launcher: stdin from /dev/null, stdout and stderr
-    to pipes the launcher reads, exactly as its cold ranks are started."""
+    to pipes the launcher reads, exactly as its cold ranks are started; ``keep``: fds it keeps."""
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
     try:
-        pid = fork_fresh(main, module="nbshard.worker", run_dir=run_dir, env=env, cwd=cwd, stdio=(null, out_write, err_write))
+        pid = fork_fresh(main, module="nbshard.worker", run_dir=run_dir, env=env, cwd=cwd, stdio=(null, out_write, err_write),
+                          keep={fd: fd for fd in keep})
     except BaseException:
         for fd in (out_read, err_read):
             os.close(fd)

@@ -39,7 +39,10 @@ MAX_REQUEST_BYTES = 1 << 20
 SOCKET_NAME = "socket"
 STATUS_NAME = "status.json"
 KERNEL_PIDFD_IN_LAUNCHER = 3
-_ALWAYS = ("nbshard.launcher", "nbshard.worker", "nbshard.pickling", "nbshard.monitor", "nbshard.cell")
+_ALWAYS = (
+    "nbshard.launcher", "nbshard.worker", "nbshard.pickling", "nbshard.monitor", "nbshard.cell",
+    "nbshard.session_launcher", "nbshard.session_rank",
+)
 
 
 def _write_status(directory: Path, status: dict[str, Any]) -> None:

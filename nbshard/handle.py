@@ -189,7 +189,7 @@ class JobHandle:
             except KeyboardInterrupt:
                 self.kill()
                 self._done.wait()
-            raise JobInterrupted(self.job.label, self._exception) from None
+            raise self._interrupted() from None
         finally:
             self._live.patient = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
@@ -197,6 +197,10 @@ class JobHandle:
             out.flush()
             if live is not None:
                 live.update()  # the summary stays in the cell
+
+    def _interrupted(self) -> BaseException:
+        """What an interrupt raises once the job has ended."""
+        return JobInterrupted(self.job.label, self._exception)
 
     def _memory_text(self, peak: bool) -> str | None:
         """One line of each rank's memory (now, or its peak), or None before any sample."""
@@ -338,20 +342,23 @@ class JobHandle:
                 elif now > self._kill_at:
                     self._launcher.kill()
         finally:
-            self._launcher.kill()  # whatever the ranks left in the launcher's process group
-            self._launcher.close()
+            self._launcher.close()  # and whatever the ranks left in the launcher's process group
             self._receiver.close()
             self._finish()
+
+    def _collect(self, files: OpenedDir, outcome: dict[str, Any] | None) -> tuple[Any, JobError | None]:
+        """The job's value or its exception, from its run directory."""
+        return collect(
+            files, self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
+            timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
+        )
 
     def _finish(self) -> None:
         try:
             with OpenedDir(self._paths.path, self._identity) as files:
                 outcome = read_outcome(files, self._paths)  # read once: for the drop tally and the result
                 self._note_unreported_drops(outcome)
-                self._value, self._exception = collect(
-                    files, self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
-                    timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
-                )
+                self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))
         except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle

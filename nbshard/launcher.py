@@ -190,15 +190,16 @@ class Launcher:
             self.ranks.append(proc)
         self.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
 
-    def start_rank(self, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess:
+    def start_rank(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes] | ForkedProcess:
+        """A rank, forked or a fresh interpreter, with ``pass_fds`` open in it at the same numbers."""
         run_dir = str(self.run_dir.path)
         if self.fork_ranks:
             from nbshard import worker
 
             self.close_sender()  # this process must hold one thread when it forks
-            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec["cwd"])
+            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec["cwd"], keep=pass_fds)
         return subprocess.Popen(
-            cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec["cwd"],
+            cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec["cwd"], pass_fds=pass_fds,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
 
@@ -228,13 +229,17 @@ class Launcher:
                 continue
             proc.returncode = proc.popen.returncode
             proc.ended_at = time.time()
-            proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
-            self.log_error(proc)
             signame = signal_name(-proc.returncode) if proc.returncode < 0 else None
             self.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
-            if not proc.ok and self.stop_reason is None:
-                self.first_failure = proc.rank
-                self.request_stop("failed", stacks=False, grace=FAILURE_GRACE)
+            self.rank_ended(proc)
+
+    def rank_ended(self, proc: Rank) -> None:
+        """A rank of the job exited: it returned, or its failure stops the others."""
+        proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
+        self.log_error(proc)
+        if not proc.ok and self.stop_reason is None:
+            self.first_failure = proc.rank
+            self.request_stop("failed", stacks=False, grace=FAILURE_GRACE)
 
     # -- stopping ---------------------------------------------------------
 
@@ -338,9 +343,8 @@ class Launcher:
                     self.read_kernel_input(key.fd)
                 elif key.data is KERNEL:
                     self.kernel_gone()
-                elif isinstance(key.data, tuple):  # a rank ended: check_exits below reaps it
-                    self.selector.unregister(key.fd)
-                    key.data[1].close_pidfd()
+                elif isinstance(key.data, tuple):
+                    self.on_marked(key.fd, *key.data)
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
@@ -357,6 +361,11 @@ class Launcher:
                 all_ended_at = all_ended_at or now
                 if all(not p.open_fds for p in self.ranks) or now - all_ended_at > PIPE_DRAIN_WAIT:
                     return
+
+    def on_marked(self, fd: int, mark: str, target: Any) -> None:
+        """A marked fd is ready: (EXITED, rank) is a rank's pidfd; check_exits reaps it."""
+        self.selector.unregister(fd)
+        target.close_pidfd()
 
     def port_was_taken(self) -> bool:
         if self.first_failure != 0 or not self.run_dir.error(0).exists():
@@ -422,7 +431,10 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
     paths = RunDir(Path(run_dir))
     adopt_orphans()
     (paths.path / "launcher.pid").write_text(str(os.getpid()))
-    launcher = Launcher(paths, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
+    launcher_class = Launcher
+    if read_json(paths.launch).get("session"):
+        from nbshard.session_launcher import SessionLauncher as launcher_class  # noqa: N813 - one class or the other
+    launcher = launcher_class(paths, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
     try:
         outcome = launcher.run()
         try:

@@ -50,6 +50,12 @@ class LineSplitter:
             self._sent_open = None
         return [[now, self.stream, _visible(line)[:MAX_LINE], False] for line in finished]
 
+    def end_line(self, now: float) -> list[Any] | None:
+        """The unfinished line as a finished one (a session's call ended after printing it)."""
+        partial, self._partial, self._sent_open = self._partial, "", None
+        visible = _visible(partial)[:MAX_LINE]
+        return [now, self.stream, visible, False] if visible.strip() else None
+
     def open_line(self, now: float) -> list[Any] | None:
         """The unfinished line, if it changed since it was last sent and is worth showing.
 

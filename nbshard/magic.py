@@ -14,7 +14,7 @@ import types
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbshard.cell import free_names, run_cell
@@ -22,6 +22,7 @@ from nbshard.client import submit
 from nbshard.errors import short_traceback
 from nbshard.handle import JobHandle
 from nbshard.job import Job
+from nbshard.persistent import Session, session, sessions
 from nbshard.pickling import describe_unpicklable, find_unpicklable
 
 __all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
@@ -111,6 +112,8 @@ class ShardMagics(Magics):
     @argument("--show-ranks", default=None, metavar="RANKS", help="comma-separated ranks whose output is shown live")
     @argument("--noblock", nargs="?", const="job", default=None, metavar="NAME",
               help="return at once; bind the job handle to NAME (default: job); pulled names are bound when it ends")
+    @argument("--session", default=None, metavar="NAME",
+              help="run in the persistent session NAME (started on first use): its ranks and their names stay between cells")
     @cell_magic
     def shard_train(self, line: str, cell: str) -> None:
         """Run this cell on N fresh torchrun-style ranks (FSDP, DDP), outside the kernel.
@@ -127,9 +130,10 @@ class ShardMagics(Magics):
         shell = self.shell
         _check_plain_python(shell, cell)
         pull = _names(args.pull)
-        job = self._job(args, cell, pull)
+        running = _session_of(args) if args.session else None
+        job = self._job(args, cell, pull, running.names if running is not None else set())
         try:
-            handle = submit(job)
+            handle = running.submit(job) if running is not None else submit(job)
         except TypeError as error:
             unshippable = self._unshippable(job)
             if unshippable is None:
@@ -150,14 +154,19 @@ class ShardMagics(Magics):
         if reasons:
             raise _pull_failed(reasons, bound_any=len(reasons) < len(pull))
 
-    def _job(self, args: Any, cell: str, pull: list[str]) -> Job:
+    def _job(self, args: Any, cell: str, pull: list[str], held: set[str]) -> Job:
+        """The cell as a job; ``held``: names a session's ranks hold, which win over the
+        notebook's (its functions, classes and modules, and ``--push`` names, are shipped)."""
         user_ns = self.shell.user_ns
         pushed = _names(args.push)
         missing = [name for name in pushed if name not in user_ns]
         if missing:
             raise UsageError(f"--push {', '.join(missing)}: no such name in the notebook")
         wanted = sorted((free_names(cell) | set(pushed)) - _IPYTHON_NAMES)
-        present = [n for n in wanted if n in user_ns and not n.startswith("_")]
+        present = [
+            n for n in wanted if n in user_ns and not n.startswith("_")
+            and (n not in held or n in pushed or _is_code(user_ns[n]))
+        ]
         modules = {n: user_ns[n].__name__ for n in present if isinstance(user_ns[n], types.ModuleType)}
         values = {n: user_ns[n] for n in present if n not in modules}
         # Registered in the kernel's linecache, so a rank's traceback shows the cell's
@@ -211,6 +220,51 @@ class ShardMagics(Magics):
         if bound:
             handle.notes.append(f"pulled {', '.join(bound)} into the notebook")
         return [f"{name}: {failed[name]}" for name in pull if name in failed]
+
+
+    @magic_arguments()
+    @argument("name", nargs="?", default="default", help="the session's name (default: default)")
+    @argument("-n", "--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, or 1)")
+    @argument("--gpus", default=None, help="comma-separated GPU indices or UUIDs the ranks see")
+    @argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for the ranks")
+    @argument("--restart", action="store_true", help="stop the ranks and start new ones")
+    @argument("--close", action="store_true", help="stop the ranks and free what they hold")
+    @line_magic
+    def shard_session(self, line: str) -> Any:
+        """Start (or show) a persistent session that ``%%shard_train --session NAME`` cells run in.
+
+            %shard_session llm --nproc 2
+        """
+        args = parse_argstring(self.shard_session, line)
+        if args.close or args.restart:
+            existing = next((s for s in sessions() if s.name == args.name), None)
+            if existing is None and args.close:
+                raise UsageError(f"%shard_session: no running session named {args.name!r}")
+            if existing is not None:
+                existing.restart() if args.restart else existing.close()
+                return existing
+        args.session, args.backend, args.grace = args.name, "subprocess", None
+        return _session_of(args)
+
+
+def _is_code(value: Any) -> bool:
+    """Functions, classes and modules of the notebook: shipped to a session every time (code one edits)."""
+    return isinstance(value, types.ModuleType) or (
+        isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
+    )
+
+
+def _session_of(args: Any) -> Session:
+    """The session a cell names, started with the cell's options on first use."""
+    options: dict[str, Any] = {"nproc": args.nproc, "gpus": _gpus(args.gpus), "grace": args.grace}
+    if args.env:
+        options["env"] = _environment(args.env)
+    if args.backend != "subprocess":
+        options["backend"] = args.backend
+    try:
+        return session(args.session, **{k: v for k, v in options.items() if v is not None})
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"--session {args.session}: {error}") from None
 
 
 class PullFailed(Exception):

@@ -21,6 +21,7 @@ import time
 import traceback
 import types
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from nbshard import monitor
@@ -29,7 +30,7 @@ from nbshard.fresh import MAIN_NAMES
 from nbshard.job import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
 
-__all__ = ["call_job", "main", "run_as_main", "run_forked"]
+__all__ = ["call_job", "main", "run_as_main", "run_forked", "run_job", "write_error"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
 _PR_SET_PDEATHSIG = 1
@@ -83,15 +84,17 @@ def _notebook_objects(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return found
 
 
-def _install_notebook_main(objects: dict[str, Any], path: Path) -> None:
+def _install_notebook_main(objects: dict[str, Any], path: Path, keep: Callable[[str, Any], bool] | None = None) -> None:
     """Put the notebook's names on this process's ``__main__``.
 
     Code that pickles by reference (``torch.save(model)``, DataLoader workers)
     looks classes up as ``__main__.Name``; here ``__main__`` is this worker, so
     the notebook's classes must be found on it. Spawn-started children re-import
-    this module as ``__mp_main__`` and load the same names from ``path``.
+    this module as ``__mp_main__`` and load the same names from ``path``. ``keep(name, value)``:
+    whether ``__main__``'s own value of a name stays (a session's names win over the notebook's).
     """
-    vars(sys.modules["__main__"]).update(objects)
+    main = vars(sys.modules["__main__"])
+    main.update((k, v) for k, v in objects.items() if keep is None or k not in main or not keep(k, v))
     shippable = {k: v for k, v in objects.items() if getattr(v, "__module__", None) == "__main__"}
     if shippable:
         from nbshard.pickling import dump_result
@@ -127,7 +130,7 @@ def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | Non
     return tb
 
 
-def _write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
+def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
     """The error file; the launcher copies its traceback into the rank's log (the kernel
     shows it as a traceback of its own, so it is not streamed as lines too)."""
     tb = _user_traceback(error.__traceback__)
@@ -159,39 +162,54 @@ def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return fn(*args, **kwargs)
 
 
-def _run(run_dir: RunDir, rank: int) -> int:
+def run_job(
+    paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, call: Callable[..., Any] = call_job,
+    keep: Callable[[str, Any], bool] | None = None,
+) -> int:
+    """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
+    for this rank; returns the rank's exit code. A session runs each of its calls this way
+    (``keep``: which of its names the notebook's do not replace)."""
     from nbshard.pickling import write_result
 
-    launch = read_json(run_dir.launch)
-    _use_kernel_path(launch["sys_path"])
     try:
-        fn, args, kwargs = pickle.loads(run_dir.job.read_bytes())
+        fn, args, kwargs = pickle.loads(payload)
     except Exception as error:
-        _write_error(run_dir, rank, error, hint=(
+        write_error(paths, rank, error, hint=(
             "nbshard could not load the job in this rank: it refers by name to something not "
             "importable here. Install it in this Python environment, make it importable from the "
             "job's cwd, or pass pickle_by_value=[module]."
         ))
         return 1
-    _install_notebook_main(_notebook_objects(fn, args, kwargs), run_dir.notebook_main(rank))
-    _start_monitor(run_dir, rank, launch)
+    _install_notebook_main(_notebook_objects(fn, args, kwargs), paths.notebook_main(rank), keep)
     try:
-        value = call_job(fn, args, kwargs)
+        value = call(fn, args, kwargs)
     except SystemExit as stop:
         if stop.code not in (None, 0):
-            _write_error(run_dir, rank, stop)
+            write_error(paths, rank, stop)
             return stop.code if isinstance(stop.code, int) else 1
         value = None
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the kernel
-        _write_error(run_dir, rank, error)
+        write_error(paths, rank, error)
         return 1
-    keep = rank == 0 or launch["return_all"]
     try:
-        write_result(run_dir.result(rank), value if keep else None)
+        write_result(paths.result(rank), value if keep_result else None)
     except Exception as error:  # noqa: BLE001
-        _write_error(run_dir, rank, error.with_traceback(None))
+        write_error(paths, rank, error.with_traceback(None))
         return 1
     return 0
+
+
+def _run(run_dir: RunDir, rank: int) -> int:
+    launch = read_json(run_dir.launch)
+    _use_kernel_path(launch["sys_path"])
+    if launch.get("session"):
+        from nbshard import session_rank
+
+        _start_monitor(run_dir, rank, launch)
+        return session_rank.serve(run_dir, rank, launch)
+    payload = run_dir.job.read_bytes()
+    _start_monitor(run_dir, rank, launch)
+    return run_job(run_dir, rank, payload, keep_result=rank == 0 or launch["return_all"])
 
 
 def _exit(code: int) -> None:

@@ -24,11 +24,14 @@ ALLOWED = {
     "gpus": set(),
     "monitor": {"wire"},
     "telemetry": {"display"},
-    "worker": {"job", "files", "pickling", "wire", "monitor", "stacks", "fresh"},
-    "launcher": {"job", "files", "wire", "errors", "lines", "reaper", "forking", "fresh", "worker"},
+    "worker": {"job", "files", "pickling", "wire", "monitor", "stacks", "fresh", "session_rank"},
+    "session_rank": {"files", "job", "worker"},
+    "session_launcher": {"errors", "files", "job", "launcher", "session_rank"},
+    "launcher": {"job", "files", "wire", "errors", "lines", "reaper", "forking", "fresh", "worker", "session_launcher"},
     "fresh": set(),
     "forking": {"fresh"},
     "forkserver": {"forking", "launcher"},
+    "persistent": {"backends", "client", "display", "errors", "files", "handle", "job", "pickling", "session_rank", "telemetry"},
     "backends": {"job", "backends", "files", "fresh"},
     "outcome": {"job", "files", "errors"},
     "backlog": set(),
@@ -36,8 +39,8 @@ ALLOWED = {
     "client": {"job", "files", "wire", "backends", "handle", "pickling", "gpus"},
     "testing": {"__init__"},
     "cell": {"pickling"},  # a rank pickles each pulled name on its own
-    "magic": {"cell", "client", "errors", "handle", "job", "pickling"},
-    "__init__": {"client", "dist", "errors", "job", "magic", "gpus", "monitor"},
+    "magic": {"cell", "client", "errors", "handle", "job", "pickling", "persistent"},
+    "__init__": {"client", "dist", "errors", "job", "magic", "gpus", "monitor", "persistent"},
 }
 
 

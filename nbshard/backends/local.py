@@ -55,6 +55,8 @@ class LauncherProcess:
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
+        """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipe."""
+        self.kill()
         if self._popen.stdin is not None:
             with contextlib.suppress(OSError):
                 self._popen.stdin.close()

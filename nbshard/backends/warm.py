@@ -83,6 +83,8 @@ class WarmLauncher:
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
+        """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipes."""
+        self.kill()
         with contextlib.suppress(OSError):
             os.close(self._commands)
         self._connection.close()

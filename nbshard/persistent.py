@@ -1,0 +1,377 @@
+"""Persistent sessions: ranks that start once and run call after call (``nbshard.session``).
+
+A session is a launcher whose ranks stay up. Each call is written as a file into
+``calls/N`` of the session's private run directory, announced with its hash on
+the launcher's stdin (a pipe only the kernel holds), and waited for with a
+``JobHandle`` like any job: live lines, memory, results and tracebacks are the
+job's. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import itertools
+import queue
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from nbshard.backends import WarmLauncher
+from nbshard.display import render_html, render_text
+from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
+from nbshard.files import OpenedDir, read_json, write_atomic
+from nbshard.handle import JobHandle
+from nbshard.job import CANCEL, KILL, Job, RunDir
+from nbshard.pickling import dump_job
+from nbshard.session_rank import NAMES_FILE
+from nbshard.telemetry import Telemetry
+
+__all__ = ["Session", "SessionBusy", "session", "sessions"]
+
+DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
+CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
+_SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port"}
+_CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
+
+_sessions: dict[str, Session] = {}
+_sessions_lock = threading.Lock()
+
+
+class SessionBusy(RuntimeError):
+    """A call was started while the session still runs another."""
+
+
+class _CallChannel:
+    """One call as a JobHandle sees it: its messages (the receiver's verbs) and its end (the
+    launcher's verbs). The session's thread feeds it; cancel and kill go to the session."""
+
+    note: str | None = None
+
+    def __init__(self, session: Session) -> None:
+        self.pid = session.pid
+        self._session = session
+        self._messages: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._ended = threading.Event()
+
+    def put(self, message: dict[str, Any]) -> None:
+        self._messages.put(message)
+
+    def end(self) -> None:
+        self._ended.set()
+
+    def receive(self, timeout: float) -> list[dict[str, Any]]:
+        try:
+            messages = [self._messages.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while not self._messages.empty():
+            messages.append(self._messages.get_nowait())
+        return messages
+
+    def poll(self) -> int | None:
+        return 0 if self._ended.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"call of session {self._session.name}", timeout or 0)
+        return 0
+
+    def request(self, command: bytes) -> None:
+        self._session._command("kill" if command == KILL else "interrupt" if command == CANCEL else "")
+
+    def kill(self) -> None:
+        """The call did not end in time after a stop: the session goes with it."""
+        self._session._launcher.kill()
+
+    def close(self) -> None:
+        pass  # the session's launcher and socket outlive its calls
+
+
+class CallHandle(JobHandle):
+    """One call of a session: a ``JobHandle`` whose ending speaks of the session."""
+
+    def __init__(self, session: Session, job: Job, call_dir: RunDir, channel: _CallChannel) -> None:
+        self._session = session
+        super().__init__(job, session.nproc, call_dir, channel, channel)  # type: ignore[arg-type]
+        self.warm = session.warm
+
+    def _collect(self, files: OpenedDir, outcome: dict[str, Any] | None) -> tuple[Any, JobError | None]:
+        value, error = super()._collect(files, outcome)
+        self._all_metrics = self._telemetry.metrics()  # the session's metrics files hold every call's
+        if files.exists(self._paths.path / NAMES_FILE):
+            self._session._names = set(files.read_json(self._paths.path / NAMES_FILE))
+        return value, self._session._call_error(outcome, error, str(self.run_dir))
+
+    def _interrupted(self) -> BaseException:
+        if isinstance(self._exception, SessionLost):
+            return self._exception
+        return JobInterrupted(self.job.label, self._exception, then=f"every rank left it: session {self._session.name!r} lives on")
+
+
+class Session:
+    """Ranks that stay up between calls, each keeping its own namespace.
+
+    ``run(fn, *args)`` runs ``fn`` in every rank like ``nbshard.run`` and returns
+    rank 0's value; names a function reads that the session holds are the
+    session's (the ranks' ``model``, not the notebook's); what it binds with
+    ``global`` stays. ``restart()`` starts new ranks, ``close()`` frees them.
+    """
+
+    def __init__(self, name: str, options: dict[str, Any], interrupt_grace: float) -> None:
+        self.name = name
+        self.interrupt_grace = interrupt_grace
+        self._options = options
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        from nbshard.client import launch  # the client imports this module
+
+        placeholder = Job(print, name=f"session-{self.name}", **self._options)
+        self.nproc, self._paths, self._launcher, self._receiver = launch(
+            placeholder, None, session=True, interrupt_grace=self.interrupt_grace
+        )
+        self.run_dir = self._paths.path
+        self.pid = self._launcher.pid
+        self.warm = isinstance(self._launcher, WarmLauncher)
+        self.launch_note = self._launcher.note
+        self.state = "running"  # "diverged", "lost" or "closed" later
+        self.lost: SessionLost | None = None
+        self._names: set[str] = set()
+        self._telemetry = Telemetry(self.nproc)
+        self._last_samples: dict[int, dict[str, Any]] = {}
+        self._channels: dict[str, _CallChannel] = {}
+        self._current: CallHandle | None = None
+        self._numbers = itertools.count(1)
+        self._thread = threading.Thread(target=self._dispatch, name=f"nbshard-session-{self.name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<Session {self.summary()}; run_dir={self.run_dir}>"
+
+    def summary(self) -> str:
+        return f"session {self.name!r} on {self.nproc} rank{'s' * (self.nproc > 1)}: {self.state}"
+
+    def _repr_html_(self) -> str:
+        return render_html(self.summary(), self._telemetry.views(), "")
+
+    def memory_text(self) -> str:
+        """The memory each rank holds now (what stays loaded between calls), as text."""
+        return render_text(self.summary(), self._telemetry.views())
+
+    @property
+    def names(self) -> set[str]:
+        """The names rank 0's namespace held after the last call."""
+        return set(self._names)
+
+    # -- calls ------------------------------------------------------------------
+
+    def submit(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> JobHandle:
+        """Start ``target(*args)`` in every rank and return its handle at once (one call at a time)."""
+        job = self._call_job(target, args, options)
+        payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
+        with self._lock:
+            self._check_usable()
+            if self._current is not None and not self._current.done():
+                raise SessionBusy(
+                    f"session {self.name!r} is still running {self._current.job.label}: one call runs at a time. "
+                    "Wait for it (handle.result()) or interrupt it (handle.cancel())."
+                )
+            call = f"{next(self._numbers):04d}"
+            call_dir = RunDir(self.run_dir / "calls" / call)
+            call_dir.path.mkdir(parents=True, mode=0o700)
+            write_atomic(call_dir.job, payload)
+            channel = _CallChannel(self)
+            for sample in self._last_samples.values():  # the memory the session holds, from the start
+                channel.put(sample)
+            self._channels[call] = channel
+            self._current = CallHandle(self, job, call_dir, channel)
+            digest = hashlib.sha256(payload).hexdigest()
+            self._command(f"run {call} {digest} {job.timeout or 0} {int(job.return_all)}")
+            return self._current
+
+    def run(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:
+        """Run ``target(*args)`` in every rank, show the output live, return rank 0's value."""
+        handle = self.submit(target, *args, **options)
+        handle.watch()
+        return handle.result()
+
+    def _call_job(self, target: Job | Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]) -> Job:
+        session_wide = set(options) & _SESSION_OPTIONS
+        if session_wide:
+            raise TypeError(
+                f"{', '.join(sorted(session_wide))}: set when the session starts (nbshard.session(...)), "
+                f"not per call; a call takes {', '.join(sorted(_CALL_OPTIONS))}"
+            )
+        if isinstance(target, Job):
+            options = {k: getattr(target, k) for k in _CALL_OPTIONS} | options
+            target, args = target.fn, target.args
+        unknown = set(options) - _CALL_OPTIONS
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(_CALL_OPTIONS))}")
+        grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
+        job = Job(target, args, nproc=self.nproc, grace=grace, **options)
+        return dataclasses.replace(job, name=f"{job.label} in session {self.name!r}")
+
+    def _check_usable(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+        if self.state == "closed":
+            raise RuntimeError(f"session {self.name!r} is closed; session.restart() starts its ranks again")
+
+    def _command(self, line: str) -> None:
+        if line:
+            self._launcher.request(f"{line}\n".encode())
+
+    def _call_error(self, outcome: dict[str, Any] | None, error: JobError | None, where: str) -> JobError | None:
+        """The call's exception as a session sees it; marks the session diverged or lost."""
+        status = outcome["status"] if outcome else "lost"
+        failures = error.failures if error is not None else ()
+        cause = error.__cause__ if error is not None else None
+        new: JobError | None
+        if status == "succeeded":
+            return error  # None, or a result the kernel could not load
+        if status in ("failed",) and not outcome.get("diverged"):  # type: ignore[union-attr]
+            new = JobFailed(f"The call failed in every rank that ran it; session {self.name!r} lives on.", failures, where)
+        elif status == "failed":
+            self.state = "diverged"
+            returned = [f["rank"] for f in outcome["ranks"] if f["ok"]]  # type: ignore[index]
+            new = JobFailed(
+                f"The call failed on rank {failures[0].rank if failures else '?'} but returned on rank"
+                f"{'s' * (len(returned) > 1)} {', '.join(map(str, returned))}: the ranks' states have diverged "
+                f"(a model stepped on some ranks only). Session {self.name!r} lives on, but "
+                "session.restart() is advised before you rely on it.",
+                failures, where,
+            )
+        elif status == "interrupted":
+            new = JobCancelled(f"The call was interrupted; every rank left it, and session {self.name!r} lives on.", failures, where)
+        elif status == "timed_out":
+            new = JobTimedOut(
+                f"The call ran past its timeout of {self._current.job.timeout if self._current else '?'} s and was "
+                f"interrupted; every rank left it, and session {self.name!r} lives on.", failures, where,
+            )
+        else:
+            reason = (outcome or {}).get("reason") or self._launcher_reason() or "its launcher ended"
+            new = self._lose(reason, failures, where)
+        new.__cause__ = cause
+        return new
+
+    def _lose(self, reason: str, failures: Any = (), where: str = "") -> SessionLost:
+        if self.lost is None:
+            self.state = "lost"
+            self.lost = SessionLost(
+                f"Session {self.name!r} is lost: {reason}. Its ranks were stopped, and what they held is gone. "
+                "session.restart() starts new ranks (then load the model again).",
+                failures, where or str(self.run_dir),
+            )
+        return self.lost
+
+    def _launcher_reason(self) -> str | None:
+        try:
+            return read_json(self._paths.outcome).get("reason")
+        except (OSError, ValueError):
+            return None
+
+    # -- the session's thread ---------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Route the session's messages to the call they belong to, until the launcher ends."""
+        try:
+            while self._launcher.poll() is None:
+                for message in self._receiver.receive(0.05):
+                    self._route(message)
+                current = self._current
+                if current is not None and not current.done() and current._paths.outcome.exists():
+                    self._channels[current._paths.path.name].end()  # its end message is late, or lost
+        finally:
+            for message in self._receiver.receive(0.05):
+                self._route(message)
+            if self.state != "closed":
+                self._lose(self._launcher_reason() or "its launcher ended")
+            for channel in self._channels.values():
+                channel.end()
+            self._launcher.close()
+            self._receiver.close()
+
+    def _route(self, message: dict[str, Any]) -> None:
+        kind, call = message.get("kind"), message.get("call")
+        if kind in ("sample", "metrics"):
+            self._telemetry.add(message)
+            if kind == "sample":
+                self._last_samples[message["rank"]] = message
+            current = self._current
+            if current is not None and not current.done():
+                self._channels[current._paths.path.name].put(message)
+        elif call in self._channels:
+            self._channels[call].put(message)
+            if kind == "end":
+                self._channels[call].end()
+        elif kind == "lines":
+            self._telemetry.last_line(message["rank"], message["lines"][-1][2])
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the ranks and free what they hold: a running call is interrupted first."""
+        current = self._current
+        if current is not None and not current.done():
+            current.cancel()
+        if self.state not in ("lost", "closed"):
+            self.state = "closed"
+            self._command("close")
+            self._thread.join(self.interrupt_grace + self._options.get("grace", 2.0) + CLOSE_MARGIN)
+        self._launcher.kill()
+        self._thread.join()
+        with _sessions_lock:
+            if _sessions.get(self.name) is self:
+                del _sessions[self.name]
+
+    def restart(self) -> None:
+        """New ranks with the same options; what the old ones held is gone."""
+        self.close()
+        self._start()
+        with _sessions_lock:
+            _sessions[self.name] = self
+
+
+def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT_GRACE, **options: Any) -> Session:
+    """The session ``name``, started with ``options`` (``nproc``, ``gpus``, ``env``, ``cwd``, ...,
+    as for ``nbshard.run``) unless it is running already."""
+    unknown = set(options) - _SESSION_OPTIONS
+    if unknown:
+        raise TypeError(f"unknown session option(s) {', '.join(sorted(unknown))}; a session takes {', '.join(sorted(_SESSION_OPTIONS))}")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a session's name is a non-empty string, got {name!r}")
+    if isinstance(interrupt_grace, bool) or not isinstance(interrupt_grace, (int, float)) or interrupt_grace <= 0:
+        raise ValueError(f"interrupt_grace must be a positive number of seconds, got {interrupt_grace!r}")
+    with _sessions_lock:
+        existing = _sessions.get(name)
+        if existing is not None and existing.state not in ("lost", "closed"):
+            asked = {k: v for k, v in options.items() if v is not None}
+            differs = {k for k, v in asked.items() if existing._options.get(k) != v}
+            if differs:
+                raise ValueError(
+                    f"session {name!r} is running with other {', '.join(sorted(differs))}; close it first "
+                    f"(nbshard.session({name!r}).close()) or pick another name"
+                )
+            return existing
+        created = Session(name, {k: v for k, v in options.items() if v is not None}, float(interrupt_grace))
+        _sessions[name] = created
+        return created
+
+
+def sessions() -> list[Session]:
+    """This kernel's sessions that are running (or diverged)."""
+    with _sessions_lock:
+        return [s for s in _sessions.values() if s.state not in ("lost", "closed")]
+
+
+def _close_all() -> None:
+    for open_session in sessions():
+        open_session._launcher.kill()
+
+
+atexit.register(_close_all)

@@ -1,0 +1,252 @@
+"""The launcher of a persistent session: the ranks stay up, and run call after call.
+
+The kernel writes one line per command on the launcher's stdin (a pipe only it
+holds): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``. The
+launcher passes ``CALL DIGEST ALL`` to each rank on a pipe of its own and collects
+their ``CALL STATUS COLLECTIVES`` answers; when every rank has answered it writes
+``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel
+reads it like a job's) and says so on the wire. A call that some rank cannot
+leave, a rank that dies, or ranks whose collective counts disagree lose the
+session: every rank is stopped (with its stacks) rather than left to hang or to
+pair the wrong tensors in the next collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import selectors
+import signal
+import time
+from typing import Any
+
+from nbshard.errors import likely_cause, signal_name
+from nbshard.files import write_json
+from nbshard.job import RunDir
+from nbshard.launcher import FAILURE_GRACE, Launcher, Rank, pick_port
+from nbshard.session_rank import PIPES_ENV
+
+__all__ = ["SessionLauncher"]
+
+REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, rank)
+
+
+class SessionLauncher(Launcher):
+    def __init__(self, run_dir: RunDir, **options: Any) -> None:
+        super().__init__(run_dir, **options)
+        self.grace = float(self.spec["interrupt_grace"])
+        self.commands: dict[int, int] = {}  # rank -> the write end of its command pipe
+        self.answers: dict[int, bytes] = {}  # rank -> an unfinished answer line
+        self.kernel_input = b""
+        self.call: str | None = None
+        self.call_dir: RunDir | None = None
+        self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
+        self.call_stopped: str | None = None  # "interrupted" or "timed_out" when the call was asked to stop
+        self.call_deadline = self.leave_by = float("inf")
+        self.waiting_on = ""  # what ranks that have not left the call by leave_by are waiting on
+        self.lost_why: str | None = None
+        self.session_logs: dict[int, Any] = {}
+        self.ready: set[int] = set()  # ranks that handle an interrupt themselves (before, SIGINT would kill them)
+
+    # -- ranks and their pipes --------------------------------------------
+
+    def start_rank(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> Any:
+        rank = int(env["RANK"])
+        command_read, command_write = os.pipe()
+        answer_read, answer_write = os.pipe()
+        try:
+            popen = super().start_rank({**env, PIPES_ENV: f"{command_read},{answer_write}"}, (command_read, answer_write))
+        finally:
+            os.close(command_read)
+            os.close(answer_write)
+        self.commands[rank] = command_write
+        self.answers[rank] = b""
+        os.set_blocking(answer_read, False)
+        self.selector.register(answer_read, selectors.EVENT_READ, (REPLIED, rank))
+        return popen
+
+    def on_marked(self, fd: int, mark: str, target: Any) -> None:
+        if mark != REPLIED:
+            return super().on_marked(fd, mark, target)
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+            return
+        *lines, self.answers[target] = (self.answers[target] + data).split(b"\n")
+        for line in lines:
+            if line == b"ready":
+                self.ready.add(target)
+                continue
+            call, status, count = line.decode().split()
+            if call == self.call:
+                self.replies[target] = (status, None if count == "-" else int(count), time.time())
+                self.answered(target, status)
+
+    def rank_ended(self, proc: Rank) -> None:
+        if self.stop_reason is None:
+            how = (f"was killed by {signal_name(-proc.returncode)} ({likely_cause(signal_name(-proc.returncode))})"
+                   if proc.returncode < 0 else f"exited with code {proc.returncode}")
+            self.lose(f"rank {proc.rank} {how}", rank=proc.rank)
+
+    # -- the kernel's commands ----------------------------------------------
+
+    def read_kernel_input(self, fd: int) -> None:
+        data = os.read(fd, 4096)
+        if not data:
+            self.selector.unregister(fd)
+            self.kernel_gone()
+            return
+        *lines, self.kernel_input = (self.kernel_input + data).split(b"\n")
+        for line in lines:
+            command, *words = line.decode().split()
+            if command == "run":
+                self.begin_call(words[0], words[1], float(words[2]), words[3])
+            elif command == "interrupt" and self.call is not None:
+                self.stop_call("interrupted", "the interrupt")
+            elif command == "kill":
+                self.lose("the kernel stopped the session at once", stacks=False)
+            elif command == "close":
+                self.close_session()
+
+    def begin_call(self, call: str, digest: str, timeout: float, return_all: str) -> None:
+        if self.call is not None or self.stop_reason is not None:
+            return  # the kernel sends one call at a time, and none to a session it knows is ending
+        self.call, self.call_dir = call, RunDir(self.run_dir.path / "calls" / call)
+        self.replies, self.call_stopped, self.leave_by = {}, None, float("inf")
+        self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
+        for proc in self.ranks:
+            self.session_logs[proc.rank] = proc.log
+            proc.log = open(self.call_dir.log(proc.rank), "ab", buffering=0)  # noqa: SIM115 - closed in end_call
+        for rank, fd in self.commands.items():
+            os.write(fd, f"{call} {digest} {return_all}\n".encode())
+
+    def stop_call(self, status: str, what: str) -> None:
+        """Interrupt every rank still in the call; those that do not leave it within the grace
+        period are stuck (in a collective or in C code), and the session is lost."""
+        if self.call_stopped is None:
+            self.call_stopped = status
+            for proc in self.ranks:
+                if proc.rank not in self.replies:
+                    with contextlib.suppress(OSError):
+                        os.write(self.commands[proc.rank], f"interrupt {self.call}\n".encode())
+                    if proc.rank in self.ready:
+                        proc.signal(signal.SIGINT)  # a KeyboardInterrupt in the call
+            self.leave_by = min(self.leave_by, time.monotonic() + self.grace)
+            self.waiting_on = f"within {self.grace:g} s of {what}"
+
+    def answered(self, rank: int, status: str) -> None:
+        if len(self.replies) == len(self.ranks):
+            self.end_call()
+        elif status == "error" and self.leave_by == float("inf"):
+            # The others may still finish their work, or wait in a collective for this rank forever.
+            self.leave_by = time.monotonic() + self.grace
+            self.waiting_on = f"within {self.grace:g} s after rank {rank} raised (most likely waiting for it in a collective)"
+
+    def close_session(self) -> None:
+        """Close the ranks' command pipes: each leaves its loop and exits as a script would
+        (atexit, process groups torn down); SIGTERM after the grace period, then SIGKILL."""
+        if self.stop_reason is None:
+            self.stop_reason = "closed"
+            self.send({"kind": "event", "event": "stopping", "reason": "closed"})
+            self.term_at = time.monotonic() + self.grace
+            self.kill_at = self.term_at + self.spec["grace"]
+        self.close_commands()
+
+    def close_commands(self) -> None:
+        for fd in self.commands.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.commands = {}
+
+    def lose(self, why: str, rank: int | None = None, stacks: bool = True) -> None:
+        if self.stop_reason is None:
+            self.lost_why, self.first_failure = why, rank
+            self.note(f"the session is lost: {why}; stopping its ranks")
+            self.request_stop("lost", stacks=stacks, grace=FAILURE_GRACE)
+
+    # -- timers ----------------------------------------------------------------
+
+    def advance_stop(self, now: float) -> None:
+        if self.call is not None and self.stop_reason is None:
+            if now >= self.call_deadline:
+                self.stop_call("timed_out", "the call's timeout")
+            if now >= self.leave_by:
+                stuck = [p.rank for p in self.ranks if p.rank not in self.replies]
+                self.lose(f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, stuck))} did not leave the call {self.waiting_on}")
+        super().advance_stop(now)
+
+    # -- a call's end ------------------------------------------------------------
+
+    def end_call(self) -> None:
+        """Every rank answered: the call's outcome, unless the ranks no longer agree on how many
+        collectives they issued (the next one would hang or pair the wrong tensors)."""
+        counts = {rank: reply[1] for rank, reply in sorted(self.replies.items())}
+        if len(set(counts.values())) > 1 and self.stop_reason is None:
+            issued = ", ".join(f"rank {rank}: {'none' if n is None else n}" for rank, n in counts.items())
+            self.lose(f"the ranks no longer agree on the collectives they issued ({issued}), so the next one would hang or pair the wrong tensors")
+            return
+        statuses = {reply[0] for reply in self.replies.values()}
+        if self.call_stopped:
+            self.finish_call(self.call_stopped)
+        elif statuses == {"ok"}:
+            self.finish_call("succeeded")
+        else:
+            self.finish_call("failed", diverged="ok" in statuses)
+
+    def finish_call(self, status: str, diverged: bool = False) -> None:
+        assert self.call_dir is not None
+        now = time.time()
+        for proc in self.ranks:  # what a rank printed before it answered belongs to the call
+            for fd in list(proc.open_fds):
+                while fd in proc.open_fds and select.select([fd], [], [], 0)[0]:
+                    self.read_output(proc, fd, now)
+            self.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
+        errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
+        outcome = {
+            "status": status, "diverged": diverged, "reason": self.lost_why if status == "lost" else None,
+            "storage_error": self.storage_error, "notes": [], "dropped_lines": {},
+            "first_failure": min(errors, key=lambda r: self.replies[r][2]) if errors else self.first_failure,
+            "ranks": [self.rank_outcome(proc) for proc in self.ranks],
+        }
+        write_json(self.call_dir.outcome, outcome)
+        self.send({"kind": "end", "status": status, "storage_error": self.storage_error})
+        for proc in self.ranks:
+            proc.log.close()
+            proc.log = self.session_logs.pop(proc.rank)
+        self.call = self.call_dir = None
+        self.call_deadline = self.leave_by = float("inf")
+
+    def rank_outcome(self, proc: Rank) -> dict[str, Any]:
+        assert self.call_dir is not None
+        reply = self.replies.get(proc.rank)
+        if reply is not None:
+            ok = reply[0] == "ok" and self.call_dir.result(proc.rank).exists()
+            return {"rank": proc.rank, "exitcode": 0 if ok else 1, "ok": ok, "ended": reply[2],
+                    "stopped": reply[0] == "interrupted", "stacks": ""}
+        return {"rank": proc.rank, "exitcode": proc.returncode, "ok": False, "ended": proc.ended_at or time.time(),
+                "stopped": proc.rank != self.first_failure, "stacks": proc.stacks}
+
+    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
+        """Lines, events and a call's end carry the call they belong to."""
+        if self.call is not None:
+            message = {**message, "call": self.call}
+        super().send(message, rank, lines, wait)
+
+    # -- the whole session -------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        port = pick_port(self.spec["master_port"])
+        if self.stop_reason is None:
+            self.start_ranks(port, 0)
+            self.supervise(float("inf"))
+        if self.call is not None:  # the session ended during a call: the call ends with it
+            self.finish_call("lost" if self.stop_reason == "lost" else str(self.stop_reason))
+        self.close_commands()
+        outcome = self.outcome(port)
+        outcome["reason"] = self.lost_why
+        return outcome

@@ -1,0 +1,165 @@
+"""A rank of a persistent session: run call after call in one namespace.
+
+The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST``
+lines (the call's files are in ``calls/CALL`` of the session's run directory, and
+the job file must hash to DIGEST), on the other this rank answers ``CALL STATUS
+COLLECTIVES`` when the call is over. End-of-file on the first closes the session.
+Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from nbshard.files import write_json
+from nbshard.job import RunDir
+
+__all__ = ["NAMES_FILE", "PIPES_ENV", "collectives_issued", "in_session", "serve"]
+
+NAMES_FILE = "names.json"  # in a call's directory: the names rank 0's namespace holds after it
+PIPES_ENV = "NBSHARD_SESSION_FDS"  # "READ,WRITE": this rank's ends of its two pipes to the launcher
+
+
+class _State:
+    """Where the rank is: an interrupt stops a call, never the loop that waits for the next one."""
+
+    assigned = False  # from reading a call's command until its function starts: an interrupt waits
+    in_call = False  # in the call's function: an interrupt raises KeyboardInterrupt there
+    pending = False
+    interrupted = False
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    if _State.in_call:
+        raise KeyboardInterrupt
+    if _State.assigned:  # the call is still being loaded: it starts interrupted
+        _State.pending = True
+
+
+def collectives_issued() -> int | None:
+    """How many collectives this rank has issued on the default process group (None without
+    one). Ranks whose counts differ would pair the wrong tensors in the next collective."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a backend without sequence numbers: nothing to compare
+        return None
+
+
+def _is_notebook_code(value: Any) -> bool:
+    """A function or class defined in the notebook: code the person edits, shipped fresh each call."""
+    return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
+
+
+def in_session(fn: Any, namespace: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """Let a notebook function see the session's names: those it reads that the session holds
+    win over the notebook's values (its functions and classes are taken fresh), and what it
+    binds (``global model``) stays. Returns the function and the globals to keep after it."""
+    if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+        return fn, None
+    shipped = fn.__globals__
+    for name, value in namespace.items():
+        if name.startswith("__"):
+            continue
+        if name not in shipped or not _is_notebook_code(shipped[name]):
+            shipped[name] = value
+    return fn, shipped
+
+
+def _keep(namespace: dict[str, Any], shipped: dict[str, Any] | None) -> None:
+    if shipped is not None and shipped is not namespace:
+        namespace.update((name, value) for name, value in shipped.items() if not name.startswith("__"))
+
+
+class _Commands:
+    """The launcher's lines: ``CALL DIGEST ALL`` starts a call, ``interrupt CALL`` stops it
+    (also sent in-band, so a call interrupted before its function started never starts it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def next(self) -> str | None:
+        """The next command (waiting for it); None once the launcher closed the session."""
+        while b"\n" not in self.buffer:
+            data = os.read(self.fd, 4096)
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    def interrupted(self, call: str) -> bool:
+        """Whether an interrupt of ``call`` has arrived (without waiting for one)."""
+        os.set_blocking(self.fd, False)
+        try:
+            while data := os.read(self.fd, 4096):
+                self.buffer += data
+        except BlockingIOError:
+            pass
+        finally:
+            os.set_blocking(self.fd, True)
+        return f"interrupt {call}\n".encode() in self.buffer
+
+
+def _verified(path: Path, digest: str) -> bytes | None:
+    data = path.read_bytes()
+    return data if hashlib.sha256(data).hexdigest() == digest else None
+
+
+def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
+    """Answer the launcher's calls until it closes the session; returns the exit code."""
+    from nbshard import worker
+
+    read_fd, write_fd = (int(fd) for fd in os.environ.pop(PIPES_ENV).split(","))
+    for fd in (read_fd, write_fd):
+        os.set_inheritable(fd, False)
+    commands = _Commands(read_fd)
+    signal.signal(signal.SIGINT, _on_interrupt)
+    os.write(write_fd, b"ready\n")  # from now on an interrupt is this module's to handle
+    namespace = vars(sys.modules["__main__"])
+    namespace["rank"], namespace["world_size"] = rank, int(os.environ["WORLD_SIZE"])
+
+    def call_in_session(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fn, shipped = in_session(fn, namespace)
+        _State.in_call, _State.assigned = True, False
+        try:
+            if _State.pending or commands.interrupted(call):
+                raise KeyboardInterrupt
+            return worker.call_job(fn, args, kwargs)
+        except KeyboardInterrupt:
+            _State.interrupted = True
+            raise
+        finally:
+            _State.in_call = False
+            _keep(namespace, shipped)
+
+    while (line := commands.next()) is not None:
+        if line.startswith("interrupt "):
+            continue  # for a call that has ended
+        call, digest, return_all = line.split()
+        paths = RunDir(run_dir.path / "calls" / call)
+        _State.assigned, _State.pending, _State.interrupted = True, False, False
+        signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
+        payload = _verified(paths.job, digest)
+        if payload is None:
+            worker.write_error(paths, rank, ValueError(f"the job file {paths.job} is not the one the kernel wrote"))
+            status = "error"
+        else:
+            code = worker.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session,
+                                  keep=lambda name, value: not _is_notebook_code(value))
+            status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
+        _State.assigned = False
+        if rank == 0:
+            write_json(paths.path / NAMES_FILE, sorted(name for name in namespace if not name.startswith("__")))
+        count = collectives_issued()
+        os.write(write_fd, f"{call} {status} {'-' if count is None else count}\n".encode())
+    return 0

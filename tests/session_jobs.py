@@ -1,0 +1,93 @@
+"""Functions that tests run in a session's ranks (imported by name in the ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def init_gloo() -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_world_size()
+
+
+def remember(value: object) -> None:
+    global remembered
+    remembered = value
+
+
+def recall() -> object:
+    return remembered
+
+
+def raise_everywhere() -> None:
+    raise ValueError(f"a bad learning rate in rank {rank()}")
+
+
+def raise_on_rank_1() -> str:
+    if rank() == 1:
+        raise ValueError("only rank 1 raised")
+    return "rank 0 returned"
+
+
+def raise_on_rank_1_while_rank_0_waits() -> None:
+    import torch.distributed as dist
+
+    if rank() == 1:
+        raise ValueError("rank 1 raised before the barrier")
+    dist.barrier()
+
+
+def sleep_long() -> None:
+    print("sleeping", flush=True)
+    time.sleep(120)
+
+
+def barrier_on_rank_0_sleep_on_rank_1() -> None:
+    """Rank 0 waits in a collective that rank 1 never joins; rank 1 sleeps in Python."""
+    import torch.distributed as dist
+
+    print("waiting", flush=True)
+    if rank() == 0:
+        dist.barrier()
+    time.sleep(120)
+
+
+def extra_collective_on_rank_0() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)
+
+
+def killed_on_rank_1() -> None:
+    if rank() == 1:
+        os.kill(os.getpid(), 9)
+    time.sleep(120)
+
+
+def all_reduce_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(rank() + 1)])
+    dist.all_reduce(value)
+    return float(value)
+
+
+def log_two_steps() -> None:
+    import nbshard
+
+    for step in (1, 2):
+        nbshard.log_metrics(step=step, loss=1.0 / step)

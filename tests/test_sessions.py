@@ -1,0 +1,260 @@
+"""Persistent sessions: ranks that stay up between calls, with nbshard's guarantees intact."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import nbshard
+import session_jobs as jobs
+from conftest import processes_of, wait_until_gone
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def session():
+    started = nbshard.session("test", nproc=2, interrupt_grace=2)
+    yield started
+    started.close()
+    assert not wait_until_gone(started.run_dir, within=5.0)
+
+
+def test_the_ranks_and_what_they_hold_stay_between_calls_and_close_frees_them(session):
+    pids = session.run(jobs.pid, return_all=True)
+    assert session.run(jobs.init_gloo) == 2
+    session.run(jobs.remember, {"lr": 0.1})
+    assert session.run(jobs.recall) == {"lr": 0.1}
+    assert session.run(jobs.all_reduce_sum, return_all=True) == [3.0, 3.0]
+    assert session.run(jobs.pid, return_all=True) == pids
+    assert nbshard.sessions() == [session] and nbshard.session("test") is session
+    session.close()
+    assert session.state == "closed" and nbshard.sessions() == []
+    assert not wait_until_gone(session.run_dir, within=5.0)
+    with pytest.raises(RuntimeError, match="closed; session.restart"):
+        session.run(jobs.pid)
+
+
+def test_a_calls_metrics_memory_and_logs_are_its_own(session):
+    first = session.submit(jobs.log_two_steps)
+    first.result(timeout=60)
+    assert sorted((m["rank"], m["step"], m["loss"]) for m in first.metrics()) == [
+        (0, 1, 1.0), (0, 2, 0.5), (1, 1, 1.0), (1, 2, 0.5)
+    ]
+    second = session.submit(jobs.sleep_long)
+    wait_for_lines(second, "sleeping", 2)
+    assert "sleeping" not in first.logs(0) and "sleeping" in second.logs(0)
+    # The memory the session holds shows from the call's start, before its first sample.
+    assert all(view.current for view in second._telemetry.views())
+    second.cancel()
+
+
+def test_a_call_that_raises_in_every_rank_fails_with_its_traceback_and_the_session_lives_on(session):
+    session.run(jobs.remember, 7)
+    with pytest.raises(nbshard.JobFailed, match="failed in every rank.*lives on") as failed:
+        session.run(jobs.raise_everywhere)
+    assert isinstance(failed.value.__cause__, ValueError)
+    assert "a bad learning rate in rank" in str(failed.value.__cause__)
+    assert session.state == "running" and session.run(jobs.recall) == 7
+
+
+def test_a_call_that_raises_in_some_ranks_marks_the_session_diverged(session):
+    with pytest.raises(nbshard.JobFailed, match="diverged.*restart\\(\\) is advised") as failed:
+        session.run(jobs.raise_on_rank_1)
+    assert [f.rank for f in failed.value.failures] == [1]
+    assert session.state == "diverged"
+    assert session.run(jobs.rank, return_all=True) == [0, 1]  # it lives on
+
+
+def test_a_rank_left_waiting_for_one_that_raised_loses_the_session_with_its_stack(session):
+    session.run(jobs.init_gloo)
+    started = time.monotonic()
+    with pytest.raises(nbshard.SessionLost, match="rank 0 did not leave the call within 2 s after rank 1 raised") as lost:
+        session.run(jobs.raise_on_rank_1_while_rank_0_waits)
+    assert time.monotonic() - started < 10
+    first, second = lost.value.failures
+    assert first.rank == 1 and "rank 1 raised before the barrier" in first.message
+    assert second.rank == 0 and second.stopped and "barrier" in second.describe()
+    assert not wait_until_gone(session.run_dir, within=5.0)
+    with pytest.raises(nbshard.SessionLost, match="restart"):
+        session.run(jobs.pid)
+
+
+def test_an_interrupted_call_ends_quickly_and_the_session_lives_on(session):
+    session.run(jobs.remember, "kept")
+    handle = session.submit(jobs.sleep_long)
+    wait_for_lines(handle, "sleeping", 2)
+    started = time.monotonic()
+    assert handle.cancel()
+    assert time.monotonic() - started < 2.0  # a Python-level call leaves at once
+    assert isinstance(handle.exception(), nbshard.JobCancelled)
+    assert "lives on" in str(handle.exception())
+    assert session.run(jobs.recall) == "kept"
+
+
+def test_an_interrupt_that_a_rank_stuck_in_a_collective_cannot_obey_loses_the_session(session):
+    session.run(jobs.init_gloo)
+    handle = session.submit(jobs.barrier_on_rank_0_sleep_on_rank_1)
+    wait_for_lines(handle, "waiting", 2)
+    time.sleep(0.5)  # rank 0 is inside the barrier
+    started = time.monotonic()
+    handle.cancel()
+    assert time.monotonic() - started < 2 + 5  # the grace, then stacks and stopping
+    lost = handle.exception()
+    assert isinstance(lost, nbshard.SessionLost), lost
+    assert "rank 0 did not leave the call within 2 s of the interrupt" in str(lost)
+    assert "barrier" in str(lost)
+    assert not wait_until_gone(session.run_dir, within=5.0)
+
+
+def test_ranks_whose_collective_counts_disagree_lose_the_session(session):
+    session.run(jobs.init_gloo)
+    with pytest.raises(nbshard.SessionLost, match=r"no longer agree on the collectives they issued \(rank 0: 1, rank 1: 0\)"):
+        session.run(jobs.extra_collective_on_rank_0)
+    assert not wait_until_gone(session.run_dir, within=5.0)
+
+
+def test_a_rank_killed_in_a_call_loses_the_session_and_is_named(session):
+    with pytest.raises(nbshard.SessionLost, match="rank 1 was killed by SIGKILL") as lost:
+        session.run(jobs.killed_on_rank_1)
+    assert lost.value.failures[0].rank == 1 and lost.value.failures[0].signal == "SIGKILL"
+    assert not wait_until_gone(session.run_dir, within=5.0)
+
+
+def test_a_rank_killed_between_calls_is_named_by_the_next_call(session):
+    pids = session.run(jobs.pid, return_all=True)
+    os.kill(pids[1], signal.SIGKILL)
+    assert not wait_until_gone(session.run_dir, within=5.0)
+    with pytest.raises(nbshard.SessionLost, match="rank 1 was killed by SIGKILL"):
+        session.run(jobs.pid)
+    session.restart()
+    assert session.state == "running" and len(set(session.run(jobs.pid, return_all=True)) - set(pids)) == 2
+
+
+def test_a_call_whose_file_does_not_match_its_hash_is_refused(session):
+    call = session.run_dir / "calls" / "9999"
+    call.mkdir(parents=True, mode=0o700)
+    (call / "job.pkl").write_bytes(b"not what the kernel hashed")
+    session._command(f"run 9999 {hashlib.sha256(b'something else').hexdigest()} 0 0")
+    deadline = time.monotonic() + 30
+    while not (call / "outcome.json").exists():
+        assert time.monotonic() < deadline, "the launcher never ended the call"
+        time.sleep(0.05)
+    assert json.loads((call / "outcome.json").read_text())["status"] == "failed"
+    assert "not the one the kernel wrote" in json.loads((call / "error-0.json").read_text())["message"]
+    assert session.run(jobs.rank) == 0  # the session goes on
+
+
+def test_a_busy_session_refuses_a_second_call_and_restart_gives_new_ranks(session):
+    pids, first_run_dir = session.run(jobs.pid, return_all=True), session.run_dir
+    handle = session.submit(jobs.sleep_long)
+    with pytest.raises(nbshard.SessionBusy, match="one call runs at a time"):
+        session.submit(jobs.pid)
+    session.restart()  # interrupts the call first
+    assert isinstance(handle.exception(), nbshard.JobCancelled)
+    assert not set(session.run(jobs.pid, return_all=True)) & set(pids)
+    assert not wait_until_gone(first_run_dir, within=5.0) and session.run_dir != first_run_dir
+
+
+def test_session_options_are_checked():
+    with pytest.raises(TypeError, match="unknown session option"):
+        nbshard.session("x", npro=2)
+    with pytest.raises(ValueError, match="interrupt_grace"):
+        nbshard.session("x", interrupt_grace=0)
+    started = nbshard.session("x", nproc=1)
+    try:
+        with pytest.raises(ValueError, match="running with other nproc"):
+            nbshard.session("x", nproc=2)
+        with pytest.raises(TypeError, match="set when the session starts"):
+            started.run(jobs.pid, nproc=2)
+    finally:
+        started.close()
+
+
+def test_a_notebook_function_sees_the_sessions_names_and_keeps_what_it_binds(script, runs_dir):
+    kernel = script(
+        """
+        import nbshard
+        model = "the notebook's small model"
+        lr = 0.1
+        session = nbshard.session(nproc=2)
+        def load():
+            global model
+            model = ["the ranks' model", int(__import__("os").environ["RANK"])]
+        def use():
+            return model, lr
+        session.run(load)
+        print("SEEN", session.run(use, return_all=True))
+        session.close()
+        """
+    )
+    code, out = kernel.finish(timeout=90)
+    assert code == 0, out
+    assert "SEEN [([\"the ranks' model\", 0], 0.1), ([\"the ranks' model\", 1], 0.1)]" in out
+
+
+def test_a_killed_kernel_takes_the_sessions_ranks_along_within_5_seconds(script, runs_dir):
+    kernel = script(
+        """
+        import nbshard, session_jobs
+        session = nbshard.session(nproc=2)
+        session.run(session_jobs.pid)
+        print("ready", flush=True)
+        import time; time.sleep(120)
+        """
+    )
+    kernel.wait_for("ready")
+    run_dir = next(runs_dir.iterdir())
+    assert len(processes_of(run_dir)) == 3  # the launcher and two ranks
+    kernel.process.kill()
+    assert not wait_until_gone(run_dir, within=5.0)
+
+
+def wait_for_lines(handle: nbshard.JobHandle, text: str, count: int, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while sum(handle.logs(r).count(text) for r in range(handle.nproc)) < count:
+        assert time.monotonic() < deadline, handle.logs()
+        time.sleep(0.05)
+
+
+def test_session_cells_share_the_ranks_names_which_win_over_the_notebooks(kernel):
+    assert kernel.execute("%load_ext nbshard\nmodel = 'the notebook small model'\nscale = 10").status == "ok"
+    first = kernel.execute("%%shard_train --session s --nproc 2\nmodel = [rank] * 3\nprint('loaded', flush=True)")
+    assert first.status == "ok", first.traceback
+    assert "[rank0]: loaded" in first.stdout and "[rank1]: loaded" in first.stdout
+    second = kernel.execute("%%shard_train --session s --pull seen\nseen = (model, scale)")
+    assert second.status == "ok", second.traceback
+    assert kernel.execute("print(seen)").stdout.strip() == "([0, 0, 0], 10)"
+    pushed = kernel.execute("%%shard_train --session s --push model --pull seen\nseen = model")
+    assert pushed.status == "ok", pushed.traceback
+    assert kernel.execute("print(seen)").stdout.strip() == "the notebook small model"
+    listed = kernel.execute("import nbshard; print([s.name for s in nbshard.sessions()])")
+    assert listed.stdout.strip() == "['s']"
+
+
+def test_a_session_cell_that_raises_reads_as_a_local_error_and_an_interrupt_keeps_the_session(kernel):
+    assert kernel.execute("%load_ext nbshard").status == "ok"
+    assert kernel.execute("%shard_session s --nproc 2").status == "ok"
+    failed = kernel.execute("%%shard_train --session s\nx = 1\nraise ValueError(f'bad value in rank {rank}')")
+    assert failed.error is not None and failed.error["ename"] == "JobFailed"
+    kernel.assert_reads_as_a_local_error(failed)
+    assert f"Cell In[{failed.execution_count}], line 3" in failed.traceback, failed.traceback
+    assert "lives on" in failed.traceback
+    msg_id = kernel.submit("%%shard_train --session s\nimport time\nprint('sleeping', flush=True)\ntime.sleep(60)")
+    kernel.collect(msg_id, until=("[rank0]: sleeping", "[rank1]: sleeping"))
+    started = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    interrupted = kernel.collect(msg_id)
+    assert time.monotonic() - started < 3
+    assert interrupted.error is not None and interrupted.error["ename"] == "JobInterrupted"
+    assert "session 's' lives on" in interrupted.traceback, interrupted.traceback
+    kept = kernel.execute("%%shard_train --session s --pull x\nx = x + 1")
+    assert kept.status == "ok", kept.traceback
+    assert kernel.execute("print(x)").stdout.strip() == "2"
+    closed = kernel.execute("%shard_session s --close\nimport nbshard; print(nbshard.sessions())")
+    assert closed.stdout.strip().endswith("[]"), closed.stdout
