@@ -237,7 +237,7 @@ class ShardMagics(Magics):
         """
         args = parse_argstring(self.shard_session, line)
         if args.close or args.restart:
-            existing = next((s for s in sessions() if s.name == args.name), None)
+            existing = next((s for s in sessions() if s.name == args.name), None)  # lost ones too
             if existing is None and args.close:
                 raise UsageError(f"%shard_session: no running session named {args.name!r}")
             if existing is not None:

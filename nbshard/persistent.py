@@ -264,7 +264,7 @@ class Session:
             self.state = "lost"
             self.lost = SessionLost(
                 f"Session {self.name!r} is lost: {reason}. Its ranks were stopped, and what they held is gone. "
-                "session.restart() starts new ranks (then load the model again).",
+                "session.restart() (or %shard_session NAME --restart) starts new ranks; then load the model again.",
                 failures, where or str(self.run_dir),
             )
         return self.lost
@@ -339,7 +339,9 @@ class Session:
 
 def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT_GRACE, **options: Any) -> Session:
     """The session ``name``, started with ``options`` (``nproc``, ``gpus``, ``env``, ``cwd``, ...,
-    as for ``nbshard.run``) unless it is running already."""
+    as for ``nbshard.run``) unless this kernel has it already (a lost one stays lost until its
+    ``restart()`` or ``close()``); ``interrupt_grace``: seconds each rank has to leave an
+    interrupted call before the session is lost."""
     unknown = set(options) - _SESSION_OPTIONS
     if unknown:
         raise TypeError(f"unknown session option(s) {', '.join(sorted(unknown))}; a session takes {', '.join(sorted(_SESSION_OPTIONS))}")
@@ -349,7 +351,7 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
         raise ValueError(f"interrupt_grace must be a positive number of seconds, got {interrupt_grace!r}")
     with _sessions_lock:
         existing = _sessions.get(name)
-        if existing is not None and existing.state not in ("lost", "closed"):
+        if existing is not None:  # running, diverged or lost: lost stays lost until restart() or close()
             asked = {k: v for k, v in options.items() if v is not None}
             differs = {k for k, v in asked.items() if existing._options.get(k) != v}
             if differs:
@@ -364,14 +366,14 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
 
 
 def sessions() -> list[Session]:
-    """This kernel's sessions that are running (or diverged)."""
+    """This kernel's sessions that are not closed (``state``: running, diverged or lost)."""
     with _sessions_lock:
-        return [s for s in _sessions.values() if s.state not in ("lost", "closed")]
+        return list(_sessions.values())
 
 
 def _close_all() -> None:
     for open_session in sessions():
-        open_session._launcher.kill()
+        open_session._launcher.kill()  # the kernel is exiting: no grace, the ranks go with it
 
 
 atexit.register(_close_all)

@@ -91,3 +91,26 @@ def log_two_steps() -> None:
 
     for step in (1, 2):
         nbshard.log_metrics(step=step, loss=1.0 / step)
+
+
+def hold_cuda_tensor() -> dict:
+    """NCCL in a session: a CUDA tensor kept in the rank between calls, and the collective count."""
+    global held
+    import torch
+
+    import nbshard
+    from nbshard.session_rank import collectives_issued
+
+    if not torch.distributed.is_initialized():
+        nbshard.init_process_group()
+    held = torch.ones(1 << 20, device=nbshard.device())  # 4 MiB that stays on the GPU
+    torch.distributed.all_reduce(held)
+    return {"backend": torch.distributed.get_backend(), "collectives": collectives_issued(),
+            "allocated": torch.cuda.memory_allocated()}
+
+
+def cuda_tensor_sum() -> float:
+    import torch
+
+    torch.distributed.all_reduce(held)
+    return float(held[0])

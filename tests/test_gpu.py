@@ -144,3 +144,20 @@ def test_a_preload_that_initializes_cuda_turns_warm_start_off(tmp_path, monkeypa
     assert status["state"] == "failed" and "CUDA" in status["reason"], status
     handle = nbshard.submit(cuda_result, nproc=1)
     assert handle.result(timeout=120)["backend"] == "nccl" and not handle.warm
+
+
+def test_a_session_keeps_cuda_memory_between_calls_counts_nccl_collectives_and_close_frees_it():
+    import session_jobs
+    from conftest import wait_until_gone
+
+    nproc = min(gpu_count(), 2)
+    session = nbshard.session("gpu", nproc=nproc)
+    try:
+        first = session.run(session_jobs.hold_cuda_tensor, return_all=True)
+        assert all(r["backend"] == "nccl" and r["allocated"] >= 4 << 20 for r in first), first
+        assert len({r["collectives"] for r in first}) == 1 and first[0]["collectives"] is not None, first
+        assert session.run(session_jobs.cuda_tensor_sum) == float(nproc * nproc)  # the same tensor, reduced again
+        assert all(view.device == "GPU" and view.current for view in session._telemetry.views())  # what it holds shows
+    finally:
+        session.close()
+    assert not wait_until_gone(session.run_dir, within=5.0)

@@ -132,6 +132,8 @@ def test_a_rank_killed_between_calls_is_named_by_the_next_call(session):
     assert not wait_until_gone(session.run_dir, within=5.0)
     with pytest.raises(nbshard.SessionLost, match="rank 1 was killed by SIGKILL"):
         session.run(jobs.pid)
+    # It stays lost, and listed, until it is restarted or closed: no silent fresh ranks.
+    assert nbshard.session("test") is session and nbshard.sessions() == [session] and session.state == "lost"
     session.restart()
     assert session.state == "running" and len(set(session.run(jobs.pid, return_all=True)) - set(pids)) == 2
 
@@ -258,3 +260,20 @@ def test_a_session_cell_that_raises_reads_as_a_local_error_and_an_interrupt_keep
     assert kernel.execute("print(x)").stdout.strip() == "2"
     closed = kernel.execute("%shard_session s --close\nimport nbshard; print(nbshard.sessions())")
     assert closed.stdout.strip().endswith("[]"), closed.stdout
+
+
+def test_interrupting_a_session_cell_with_a_rank_stuck_in_a_collective_raises_session_lost(kernel):
+    assert kernel.execute("%load_ext nbshard").status == "ok"
+    assert kernel.execute("import nbshard\nnbshard.session('s', nproc=2, interrupt_grace=2)\n").status == "ok"
+    msg_id = kernel.submit(
+        "%%shard_train --session s\nimport time, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "print('waiting', flush=True)\nif rank == 0:\n    dist.barrier()\ntime.sleep(60)"
+    )
+    kernel.collect(msg_id, until=("[rank0]: waiting", "[rank1]: waiting"))
+    time.sleep(0.5)
+    kernel.manager.interrupt_kernel()
+    lost = kernel.collect(msg_id, timeout=30)
+    assert lost.error is not None and lost.error["ename"] == "SessionLost", lost.error
+    assert "rank 0 did not leave the call within 2 s of the interrupt" in lost.traceback
+    assert "Cell In[" in lost.traceback and "dist.barrier()" in lost.traceback  # where rank 0 was
+    assert "--restart" in lost.traceback
