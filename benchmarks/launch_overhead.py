@@ -18,7 +18,6 @@ Usage: python benchmarks/launch_overhead.py [rounds]
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
