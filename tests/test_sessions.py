@@ -97,6 +97,15 @@ def test_an_interrupted_call_ends_quickly_and_the_session_lives_on(session):
     assert session.run(jobs.recall) == "kept"
 
 
+def test_a_call_past_its_timeout_is_interrupted_and_the_session_lives_on(session):
+    session.run(jobs.remember, "kept")
+    started = time.monotonic()
+    with pytest.raises(nbshard.JobTimedOut, match="timeout of 1 s and was interrupted.*lives on"):
+        session.run(jobs.sleep_long, timeout=1)
+    assert time.monotonic() - started < 1 + 2
+    assert session.run(jobs.recall) == "kept"
+
+
 def test_an_interrupt_that_a_rank_stuck_in_a_collective_cannot_obey_loses_the_session(session):
     session.run(jobs.init_gloo)
     handle = session.submit(jobs.barrier_on_rank_0_sleep_on_rank_1)
