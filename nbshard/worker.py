@@ -227,6 +227,9 @@ def main(run_dir: str) -> int:
     """Run this rank of the job in ``run_dir``; returns the exit code (tests call it in-process)."""
     paths = RunDir(Path(run_dir))
     rank = int(os.environ["RANK"])
+    # What an interactive Python has: code that parses the command line (litgpt's
+    # save_hyperparameters, argparse defaults) sees no nbshard paths. ps still shows them.
+    sys.argv = [""]
     _die_with_launcher()
     _dump_stacks_on_request(paths.stacks(rank))
     try:

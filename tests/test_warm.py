@@ -70,6 +70,7 @@ def test_a_warm_rank_is_indistinguishable_from_a_cold_one(tmp_path, monkeypatch,
             if key not in ("seed", "random"):
                 assert first[rank][key] == value, f"rank {rank}: {key} differs warm vs cold"
     assert cold[0]["ps"].endswith("-m nbshard.worker RUN_DIR")
+    assert cold[0]["argv"] == [""]  # as an interactive Python's
     assert cold[0]["cwd"] == str(tmp_path) and str(tmp_path) in cold[0]["path"]
     assert cold[0]["C environ agrees"]
     for key in ("seed", "random"):  # every process seeds its own, as cold ones do
