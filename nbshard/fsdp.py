@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from nbshard.checkpoints import match_keys, model_keys, open_checkpoint
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
 
@@ -74,6 +78,7 @@ def build_sharded(
     *,
     full_checkpoint: str | os.PathLike[str] | None = None,
     sharded_checkpoint: str | os.PathLike[str] | None = None,
+    strict: bool = True,
     seed: int = 0,
     blocks: Callable[[nn.Module], Iterable[nn.Module]] = default_blocks,
     device: torch.device | str | None = None,
@@ -81,6 +86,13 @@ def build_sharded(
 ) -> nn.Module:
     """``build()`` sharded with FSDP2 across the process group, only the local shard in memory.
 
+    ``full_checkpoint``: a ``torch.save`` file, a ``.safetensors`` file, a sharded
+    one's ``*.index.json`` or a Hugging Face model directory, read by rank 0 alone
+    through the model's own ``load_state_dict`` hooks (key renames); a
+    ``torch.distributed.checkpoint`` directory is read as ``sharded_checkpoint``.
+    A tied parameter is filled from whichever of its names the checkpoint has.
+    ``strict=False`` leaves checkpoint keys the model lacks aside and initializes
+    parameters the checkpoint lacks (e.g. new LoRA weights) as from scratch.
     ``blocks(model)`` names the modules sharded one by one before the root
     (default: the layers of each ``nn.ModuleList``); ``shard_options`` go to
     ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device`` defaults to this
@@ -88,12 +100,14 @@ def build_sharded(
     """
     if full_checkpoint is not None and sharded_checkpoint is not None:
         raise ValueError("pass full_checkpoint= or sharded_checkpoint=, not both")
+    if full_checkpoint is not None and (Path(full_checkpoint) / ".metadata").is_file():
+        full_checkpoint, sharded_checkpoint = None, full_checkpoint  # a torch.distributed.checkpoint directory
     if not dist.is_initialized():
         raise RuntimeError("build_sharded needs a process group: call nbshard.init_process_group() first")
     device = torch.device(device) if device is not None else _rank_device()
     with _parameters_on_meta():
         model = build()
-    template = copy.deepcopy(model) if full_checkpoint is None and sharded_checkpoint is None else None
+    template = copy.deepcopy(model)  # unsharded, on meta: for matching keys and initializing
     for block in blocks(model):
         fully_shard(block, **shard_options)
     fully_shard(model, **shard_options)
@@ -105,9 +119,11 @@ def build_sharded(
     if sharded_checkpoint is not None:
         _load_sharded(model, os.fspath(sharded_checkpoint))
     elif full_checkpoint is not None:
-        _load_full_from_rank0(model, os.fspath(full_checkpoint))
+        missing = _load_full_from_rank0(model, template, os.fspath(full_checkpoint), strict)
+        if missing:
+            _init_from_rank0(model, template, seed, only=missing)
     else:
-        _init_from_rank0(model, template, seed)  # type: ignore[arg-type]
+        _init_from_rank0(model, template, seed)
     return model
 
 
@@ -121,7 +137,13 @@ def _mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], wha
     """A message naming missing, unexpected and reshaped keys; None when they agree."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    reshaped = sorted(k for k in set(expected) & set(found) if tuple(expected[k]) != tuple(found[k]))
+    reshaped = {k: (found[k], expected[k]) for k in sorted(set(expected) & set(found)) if tuple(expected[k]) != tuple(found[k])}
+    return _describe_mismatch(what, missing, unexpected, reshaped)
+
+
+def _describe_mismatch(
+    what: str, missing: list[str], unexpected: list[str], reshaped: dict[str, tuple[torch.Size, torch.Size]], hint: str = ""
+) -> str | None:
     if not (missing or unexpected or reshaped):
         return None
     parts = [f"{what} does not match the model."]
@@ -129,9 +151,9 @@ def _mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], wha
         parts.append(f"Missing from it: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}.")
     if unexpected:
         parts.append(f"Not in the model: {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}.")
-    for key in reshaped[:10]:
-        parts.append(f"{key}: the checkpoint has shape {tuple(found[key])}, the model {tuple(expected[key])}.")
-    parts.append("Check that build() makes the model the checkpoint was saved from.")
+    for key, (found, expected) in list(reshaped.items())[:10]:
+        parts.append(f"{key}: the checkpoint has shape {tuple(found)}, the model {tuple(expected)}.")
+    parts.append(hint or "Check that build() makes the model the checkpoint was saved from.")
     return " ".join(parts)
 
 
@@ -150,40 +172,121 @@ def _load_sharded(model: nn.Module, path: str) -> None:
     set_model_state_dict(model, state)
 
 
-def _load_full_from_rank0(model: nn.Module, path: str) -> None:
-    problem: list[str | None] = [None]
-    full: dict[str, torch.Tensor] = {}
+def _plan_full_load(model: nn.Module, template: nn.Module, path: str, strict: bool) -> dict[str, Any]:
+    """On rank 0: which checkpoint key fills each of the model's tensors (tied ones once), which it
+    lacks, and a message when they do not fit."""
+    checkpoint = open_checkpoint(path)
+    shapes = {key: checkpoint.shape_and_dtype(key) for key in checkpoint.keys()}
+    arrived = match_keys(template, shapes)
+    fills: list[tuple[str, str]] = []
+    missing: list[str] = []
+    reshaped: dict[str, tuple[torch.Size, torch.Size]] = {}
+    tensors = dict(model_keys(model))
+    for names in _tensor_groups(model).values():
+        found = next((name for name in names if name in arrived), None)
+        if found is None:
+            missing.append(names[0])
+            continue
+        expected, got = tensors[found].shape, shapes[arrived[found]][0]
+        if tuple(expected) != tuple(got):
+            reshaped[arrived[found]] = (got, expected)
+        fills.append((found, arrived[found]))
+    used = set(arrived.values())
+    unexpected = [key for key in shapes if key not in used]
+    hint = "Check that build() makes the model the checkpoint was saved from" + (
+        "; strict=False initializes what the checkpoint lacks (new LoRA weights) and leaves aside what the model lacks."
+        if strict else "."
+    )
+    problem = _describe_mismatch(f"The checkpoint {path}", missing if strict else [], unexpected if strict else [], reshaped, hint)
+    return {"fills": fills, "missing": missing, "unexpected": unexpected, "problem": problem}
+
+
+def _tensor_groups(model: nn.Module) -> dict[int, list[str]]:
+    """The model's state-dict keys grouped by tensor: a tied parameter's names together."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model_keys(model):
+        groups.setdefault(id(tensor), []).append(name)
+    return groups
+
+
+def _load_full_from_rank0(model: nn.Module, template: nn.Module, path: str, strict: bool) -> set[str]:
+    """Fill each shard from the checkpoint that rank 0 alone reads, one tensor at a time; returns
+    the keys of tensors it lacks (only with ``strict=False``)."""
+    plan: list[dict[str, Any] | None] = [None]
     if dist.get_rank() == 0:
-        full = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        problem[0] = _mismatch(_model_shapes(model), {k: v.shape for k, v in full.items()}, f"The checkpoint {path}")
-    dist.broadcast_object_list(problem, src=0)  # every rank raises together, none waits forever
-    if problem[0]:
-        raise ValueError(problem[0])
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        try:
+            plan[0] = _plan_full_load(model, template, path, strict)
+        except (OSError, ValueError, RuntimeError, ImportError) as error:
+            plan[0] = {"problem": f"{type(error).__name__}: {error}"}
+    dist.broadcast_object_list(plan, src=0)  # every rank raises together, none waits forever
+    assert plan[0] is not None
+    if plan[0]["problem"]:
+        raise ValueError(plan[0]["problem"])
+    if plan[0]["unexpected"] and dist.get_rank() == 0:
+        left = plan[0]["unexpected"]
+        warnings.warn(f"build_sharded(strict=False): {len(left)} checkpoint keys the model lacks were left aside: "
+                      f"{', '.join(left[:10])}{' ...' if len(left) > 10 else ''}", stacklevel=3)
+    checkpoint = open_checkpoint(path) if dist.get_rank() == 0 else None
+    tensors = dict(model_keys(model))
+    with torch.no_grad():
+        for name, key in plan[0]["fills"]:
+            target = tensors[name]
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if checkpoint is not None:
+                full = checkpoint.tensor(key).to(local.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=local.dtype)  # never written: no memory is touched
+            _scatter_into(target, full)
+    return set(plan[0]["missing"])
 
 
-def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int) -> None:
+def _initializer(template: nn.Module) -> Callable[[nn.Module], None] | None:
+    """How a module of this model initializes itself: a Hugging Face model through its own
+    ``_init_weights`` (which sets what its layers' ``reset_parameters`` would not), else None."""
+    init_weights = getattr(template, "_init_weights", None)
+    return init_weights if callable(init_weights) else None
+
+
+def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None) -> None:
+    """Rank 0 initializes one module at a time and scatters it (``only``: just those keys)."""
     rank = dist.get_rank()
     targets = dict(model.named_parameters(remove_duplicate=False))
+    wanted = {id(targets[name]) for name in only} if only is not None else set(map(id, targets.values()))
+    init_weights = _initializer(template)
     done: set[int] = set()
+    uninitialized: list[str] = []  # rank 0's: parameters no initializer wrote
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         for prefix, module in template.named_modules():
             own = dict(module.named_parameters(recurse=False))
-            if not own or not hasattr(module, "reset_parameters"):
+            names = {name: f"{prefix}.{name}" if prefix else name for name in own}
+            if not any(id(targets[key]) in wanted for key in names.values()):
+                continue
+            if init_weights is None and not hasattr(module, "reset_parameters"):
                 continue
             if rank == 0:  # draws in the order construction would have
                 module.to_empty(device="cpu", recurse=False)
-                module.reset_parameters()
+                materialized = {name: module._parameters[name] for name in own}
+                for param in materialized.values():
+                    if param.is_floating_point():
+                        param.fill_(float("nan"))  # what no initializer writes stays NaN, and is named
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+                if init_weights is not None:
+                    init_weights(module)
+                uninitialized += [names[n] for n, p in materialized.items() if p.is_floating_point() and p.isnan().any()]
             for name, meta in own.items():
-                target = targets[f"{prefix}.{name}" if prefix else name]
-                if id(target) in done:  # a tied parameter keeps its first owner's values
+                target = targets[names[name]]
+                if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values
                     continue
                 full = module._parameters[name] if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
                 _scatter_into(target, full.detach())
                 done.add(id(target))
             module.to_empty(device="meta", recurse=False)  # rank 0 lets go of the module
-    left = sorted(name for name, param in targets.items() if id(param) not in done)
+    left = sorted(name for name, param in targets.items() if id(param) in wanted and id(param) not in done)
+    shared: list[Any] = [uninitialized]
+    dist.broadcast_object_list(shared, src=0)
+    left += shared[0]
     if left:
         raise ValueError(
             f"no reset_parameters() initializes {', '.join(left[:10])}: their modules define none. "

@@ -109,3 +109,72 @@ def without_reset_parameters():
 
     nbshard.init_process_group()
     fsdp.build_sharded(NoInit)
+
+
+class LoRALinear(nn.Module):
+    """Like litgpt's: the base layer moves under ``.linear``, and base checkpoints still load
+    because the module renames their keys in its own ``_load_from_state_dict``."""
+
+    def __init__(self, width: int, out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, out, bias=False)
+        self.lora_A = nn.Parameter(torch.empty(rank, width))
+        self.lora_B = nn.Parameter(torch.empty(out, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A, a=5**0.5)
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + x @ self.lora_A.T @ self.lora_B.T
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        for name in ("weight", "bias"):
+            if prefix + name in state_dict and prefix + "linear." + name not in state_dict:
+                state_dict[prefix + "linear." + name] = state_dict.pop(prefix + name)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class LoRALM(RotaryLM):
+    """RotaryLM with a LoRA head (untied): base checkpoints name it ``head.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = LoRALinear(32, 64)
+
+
+def lora_from_base_checkpoint(path, strict):
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(LoRALM, full_checkpoint=path, strict=strict)
+    return fsdp.full_state_dict(model)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, **overrides,
+    })
+
+
+def hugging_face_llama(checkpoint=None, **overrides):
+    """A Llama from its config, sharded: from a checkpoint, or from scratch with its own init."""
+    from transformers import LlamaForCausalLM
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    config = tiny_llama_config(**overrides)
+    model = fsdp.build_sharded(lambda: LlamaForCausalLM(config), full_checkpoint=checkpoint)
+    tokens = torch.arange(16).reshape(2, 8)
+    logits = model(input_ids=tokens).logits.detach()
+    return {
+        "state": fsdp.full_state_dict(model), "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }

@@ -1,0 +1,89 @@
+"""build_sharded loads the checkpoints people have: renamed keys, strict=False, tied weights,
+safetensors (single and sharded with an index), Hugging Face directories, DCP directories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbshard
+import sharded_models
+from sharded_models import LoRALM, RotaryLM
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_lora_model_loads_a_base_checkpoint_through_its_own_key_renames(tmp_path):
+    torch.manual_seed(3)
+    base = RotaryLM()
+    base.head = torch.nn.Linear(32, 64, bias=False)  # untied, as LoRALM's head
+    path = tmp_path / "base.pt"
+    torch.save(base.state_dict(), path)
+    with pytest.raises(nbshard.JobFailed) as strict:
+        nbshard.run(sharded_models.lora_from_base_checkpoint, str(path), True, nproc=2)
+    message = str(strict.value.__cause__)
+    assert "Missing from it: head.lora_A, head.lora_B" in message and "strict=False" in message
+    assert "Not in the model" not in message  # head.weight arrived as head.linear.weight
+    state = nbshard.run(sharded_models.lora_from_base_checkpoint, str(path), False, nproc=2)
+    assert torch.equal(state["head.linear.weight"], base.head.weight.detach())
+    assert torch.equal(state["embed.weight"], base.embed.weight.detach())
+    assert torch.equal(state["head.lora_B"], torch.zeros(64, 4))  # initialized as LoRALinear does
+    assert state["head.lora_A"].abs().sum() > 0
+    plain = LoRALM()
+    plain.load_state_dict(state)  # and it loads back into the LoRA class, strictly
+
+
+def hugging_face_reference(**overrides):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(sharded_models.tiny_llama_config(**overrides)).eval()
+
+
+@pytest.mark.parametrize("layout", ["sharded safetensors", "one safetensors file", "pytorch_model.bin"])
+def test_a_hugging_face_checkpoint_with_tied_embeddings_loads_in_one_call(tmp_path, layout):
+    model = hugging_face_reference()
+    if layout == "pytorch_model.bin":
+        torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+        checkpoint = tmp_path
+    else:
+        model.save_pretrained(tmp_path, max_shard_size="20KB" if layout.startswith("sharded") else "1GB")
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert ("model.safetensors.index.json" in names) == layout.startswith("sharded"), names
+        checkpoint = tmp_path if layout.startswith("sharded") else tmp_path / "model.safetensors"
+    result = nbshard.run(sharded_models.hugging_face_llama, str(checkpoint), nproc=2)
+    expected = model.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(result["state"][key], value), key
+    assert result["tied"]
+    logits = model(input_ids=torch.arange(16).reshape(2, 8)).logits.detach()
+    assert torch.allclose(result["logits"], logits, atol=1e-5)
+
+
+def test_a_hugging_face_model_from_scratch_uses_its_own_initialization():
+    result = nbshard.run(sharded_models.hugging_face_llama, nproc=2)
+    state = result["state"]
+    assert result["tied"] and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    assert torch.equal(state["model.norm.weight"], torch.ones(32))  # RMSNorm: ones, from _init_weights
+    weight = state["model.layers.0.mlp.up_proj.weight"]
+    assert abs(weight.std().item() - 0.02) < 0.005  # normal(0, initializer_range), not kaiming's
+    assert torch.isfinite(result["logits"]).all()
+
+
+def test_a_dcp_directory_passed_as_the_full_checkpoint_is_read_sharded(tmp_path):
+    folder = tmp_path / "sharded"
+    trained = nbshard.run(sharded_models.train_and_save, str(folder), str(tmp_path / "full.pt"), nproc=2)
+    state = nbshard.run(sharded_models.from_full_checkpoint, str(folder), nproc=2)["state"]
+    for key, value in trained.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_a_wrapped_state_dict_and_a_directory_without_a_checkpoint(tmp_path):
+    model = RotaryLM()
+    torch.save({"state_dict": model.state_dict()}, tmp_path / "wrapped.ckpt")
+    state = nbshard.run(sharded_models.from_full_checkpoint, str(tmp_path / "wrapped.ckpt"), nproc=2)["state"]
+    assert torch.equal(state["norm.weight"], model.norm.weight.detach())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(nbshard.JobFailed) as caught:
+        nbshard.run(sharded_models.from_full_checkpoint, str(tmp_path / "empty"), nproc=2)
+    assert "expected one of model.safetensors.index.json" in str(caught.value.__cause__)
