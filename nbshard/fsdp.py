@@ -304,21 +304,44 @@ def _scatter_into(target: torch.Tensor, full: torch.Tensor) -> None:
     target.to_local().copy_(local.to_local())
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The whole model's state dict, gathered into rank 0's CPU memory; None on other ranks.
+def full_state_dict(
+    model: nn.Module, *, trainable_only: bool = False, keys_of: nn.Module | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The model's state dict, gathered into rank 0's CPU memory; None on other ranks.
 
     Collective: every rank must call it. Tensors are gathered one at a time and
     only rank 0 keeps them, so no rank holds a full copy on its device.
+    ``trainable_only``: only parameters that require grad (e.g. the LoRA weights).
+    ``keys_of``: another model (e.g. the plain base model, built on ``meta``) whose
+    keys to use: each tensor under the key that model's checkpoint would have, as
+    this model's own load hooks map them (LoRA's ``head.linear.weight`` is the
+    base's ``head.weight``); tensors it has no key for are left out. That is not a
+    merge: fold LoRA weights into the base first (litgpt's ``merge_lora_weights``,
+    PEFT's ``merge_and_unload``) when the base should carry them.
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return state if dist.get_rank() == 0 else None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    if dist.get_rank() != 0:
+        return None
+    if keys_of is not None:
+        theirs = match_keys(model, {key: (value.shape, value.dtype) for key, value in keys_of.state_dict().items()})
+        state = {theirs[key]: value for key, value in state.items() if key in theirs}
+    return state
 
 
-def save_full(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Write one plain state dict (``model.load_state_dict`` reads it) from rank 0. Collective."""
-    state = full_state_dict(model)
+def save_full(
+    model: nn.Module, path: str | os.PathLike[str], *, trainable_only: bool = False, keys_of: nn.Module | None = None
+) -> None:
+    """Write one plain state dict from rank 0 (``torch.save``, or safetensors for a path ending in
+    ``.safetensors``) that ``load_state_dict`` reads; options as ``full_state_dict``. Collective."""
+    state = full_state_dict(model, trainable_only=trainable_only, keys_of=keys_of)
     if state is not None:
-        torch.save(state, path)
+        if os.fspath(path).endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file({key: value.contiguous() for key, value in state.items()}, os.fspath(path))
+        else:
+            torch.save(state, path)
     dist.barrier()
 
 

@@ -178,3 +178,29 @@ def hugging_face_llama(checkpoint=None, **overrides):
         "state": fsdp.full_state_dict(model), "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits,
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     }
+
+
+def plain_base() -> RotaryLM:
+    """The base model of LoRALM: RotaryLM with an untied plain head."""
+    model = RotaryLM()
+    model.head = nn.Linear(32, 64, bias=False)
+    return model
+
+
+def lora_train_and_save(base_path, folder):
+    """Fine-tune only the LoRA weights, then save them alone, and the whole model under the base's keys."""
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(LoRALM, full_checkpoint=base_path, strict=False)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(TOKENS.to(nbshard.device())).pow(2).mean().backward()
+    optimizer.step()
+    with torch.device("meta"):
+        base = plain_base()
+    fsdp.save_full(model, f"{folder}/lora.pt", trainable_only=True)
+    fsdp.save_full(model, f"{folder}/as_base.safetensors", keys_of=base)
+    return fsdp.full_state_dict(model)

@@ -15,8 +15,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_a_lora_model_loads_a_base_checkpoint_through_its_own_key_renames(tmp_path):
     torch.manual_seed(3)
-    base = RotaryLM()
-    base.head = torch.nn.Linear(32, 64, bias=False)  # untied, as LoRALM's head
+    base = sharded_models.plain_base()
     path = tmp_path / "base.pt"
     torch.save(base.state_dict(), path)
     with pytest.raises(nbshard.JobFailed) as strict:
@@ -87,3 +86,18 @@ def test_a_wrapped_state_dict_and_a_directory_without_a_checkpoint(tmp_path):
     with pytest.raises(nbshard.JobFailed) as caught:
         nbshard.run(sharded_models.from_full_checkpoint, str(tmp_path / "empty"), nproc=2)
     assert "expected one of model.safetensors.index.json" in str(caught.value.__cause__)
+
+
+def test_trainable_weights_alone_and_a_save_under_the_base_models_keys(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(4)
+    base = sharded_models.plain_base()
+    torch.save(base.state_dict(), tmp_path / "base.pt")
+    trained = nbshard.run(sharded_models.lora_train_and_save, str(tmp_path / "base.pt"), str(tmp_path), nproc=2)
+    lora = torch.load(tmp_path / "lora.pt", weights_only=True)
+    assert sorted(lora) == ["head.lora_A", "head.lora_B"]
+    assert torch.equal(lora["head.lora_B"], trained["head.lora_B"]) and lora["head.lora_B"].abs().sum() > 0
+    plain = sharded_models.plain_base()
+    plain.load_state_dict(load_file(tmp_path / "as_base.safetensors"))  # strict: the base model's keys, all of them
+    assert torch.equal(plain.head.weight, base.head.weight)  # frozen, unchanged; LoRA is not merged
