@@ -131,7 +131,7 @@ class RankView:
     """What the live view shows of one rank: plain data, rendered by the functions below."""
 
     rank: int
-    device: str = ""  # "GPU", "CPU" or "CPU PSS" (a warm rank's share): which memory ``current`` and ``peak`` count
+    device: str = ""  # "GPU", "CPU anon", "CPU anon PSS" (a warm rank's share) or "CPU": what ``current`` and ``peak`` count
     current: float | None = None  # bytes
     peak: float | None = None
     history: list[float] = dataclasses.field(default_factory=list)

@@ -270,9 +270,11 @@ class JobHandle:
         return to_frame(records) if frame else list(records)
 
     def peak_memory(self) -> dict[int, dict[str, int | None]]:
-        """Per rank: peak resident CPU memory (and, for a warm rank, its peak proportional share
-        ``cpu_peak_pss``: pages shared with the warm process divided among their sharers), and
-        peak GPU memory allocated / held (bytes)."""
+        """Per rank, in bytes: ``cpu_peak_rss`` (resident, file pages included: a memory-mapped
+        checkpoint counts), ``cpu_peak_anon`` (anonymous: what tensors and the heap hold, the
+        model's footprint; sampled), for a warm rank ``cpu_peak_pss`` and ``cpu_peak_pss_anon``
+        (pages shared with the warm process divided among their sharers), and ``gpu_peak_allocated``
+        (torch) and ``gpu_peak_used`` (NVML, what the process holds on the device)."""
         return self._telemetry.peaks()
 
     def summary(self) -> str:

@@ -31,15 +31,35 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _statm: int | None = None  # /proc/self/statm, opened once: a sample is then one pread
 
 
-def _resident_bytes() -> tuple[int, int]:
-    """(resident, peak resident) bytes of this process, in two system calls."""
+def _resident_bytes() -> tuple[int, int, int]:
+    """(resident, peak resident, anonymous resident) bytes of this process, in two system calls.
+
+    Resident memory counts file pages too: a memory-mapped checkpoint, torch's libraries.
+    Anonymous memory (resident minus file-backed and shared) is what tensors and the heap hold.
+    """
     global _statm
     if _statm is None:
         _statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-    resident_pages = int(os.pread(_statm, 128, 0).split()[1])
+    fields = os.pread(_statm, 128, 0).split()
+    resident_pages, file_and_shared_pages = int(fields[1]), int(fields[2])
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
     resident = resident_pages * _PAGE_SIZE
-    return resident, max(resident, peak_kib * 1024)  # the kernel updates the peak lazily
+    anonymous = max(resident_pages - file_and_shared_pages, 0) * _PAGE_SIZE
+    return resident, max(resident, peak_kib * 1024), anonymous  # the kernel updates the peak lazily
+
+
+class _Peak:
+    """The highest value seen in the samples (Linux keeps no peak of anonymous memory)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self, value: int) -> int:
+        self.value = max(self.value, value)
+        return self.value
+
+
+_peak_anonymous = _Peak()
 
 
 class _ProportionalMemory:
@@ -55,19 +75,24 @@ class _ProportionalMemory:
         self.on = False
         self._read_at = float("-inf")
         self._shared = 0  # resident minus proportional, at the last read
-        self.peak = 0
+        self._shared_anonymous = 0  # the same for anonymous memory
+        self.peak = _Peak()
+        self.peak_anonymous = _Peak()
 
-    def __call__(self, rss: int) -> int:
+    def __call__(self, rss: int, anonymous: int) -> tuple[int, int]:
+        """(PSS, anonymous PSS) for this resident and anonymous size."""
         if time.monotonic() - self._read_at >= self.REFRESH:
             with open("/proc/self/smaps_rollup", "rb") as rollup:
                 for line in rollup:
                     if line.startswith(b"Pss:"):
                         self._shared = max(rss - int(line.split()[1]) * 1024, 0)
-                        break
+                    elif line.startswith(b"Pss_Anon:"):
+                        self._shared_anonymous = max(anonymous - int(line.split()[1]) * 1024, 0)
             self._read_at = time.monotonic()
-        pss = max(rss - self._shared, 0)
-        self.peak = max(self.peak, pss)
-        return pss
+        pss, anonymous_pss = max(rss - self._shared, 0), max(anonymous - self._shared_anonymous, 0)
+        self.peak(pss)
+        self.peak_anonymous(anonymous_pss)
+        return pss, anonymous_pss
 
 
 _proportional = _ProportionalMemory()
@@ -147,15 +172,17 @@ def sample_memory() -> dict[str, Any]:
     Never raises for the GPU part: whatever goes wrong there (torch half
     imported, a driver error) means a sample without GPU figures.
     """
-    rss, peak_rss = _resident_bytes()
+    rss, peak_rss, anonymous = _resident_bytes()
     try:
         gpus = _gpu_memory()
     except Exception:  # noqa: BLE001 - telemetry must never fail or print into the job
         gpus = []
-    sample = {"rss": rss, "peak_rss": peak_rss, "gpus": gpus}
+    sample = {"rss": rss, "peak_rss": peak_rss, "anon": anonymous, "peak_anon": _peak_anonymous(anonymous), "gpus": gpus}
     if _proportional.on:
         with contextlib.suppress(OSError, ValueError):
-            sample.update(pss=_proportional(rss), peak_pss=_proportional.peak)
+            pss, anonymous_pss = _proportional(rss, anonymous)
+            sample.update(pss=pss, peak_pss=_proportional.peak.value, pss_anon=anonymous_pss,
+                          peak_pss_anon=_proportional.peak_anonymous.value)
     return sample
 
 

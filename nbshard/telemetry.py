@@ -19,7 +19,10 @@ def _records_of_sample(message: dict[str, Any]) -> list[dict[str, Any]]:
     """One flat record per device (or one without GPU fields), ready for a DataFrame."""
     cpu = {
         "rank": message["rank"], "time": message["time"], "cpu_rss": message["rss"], "cpu_peak_rss": message["peak_rss"],
-        "cpu_pss": message.get("pss"), "cpu_peak_pss": message.get("peak_pss"),  # forked (warm) ranks only
+        "cpu_anon": message.get("anon"), "cpu_peak_anon": message.get("peak_anon"),
+        # forked (warm) ranks only: proportional shares of pages shared with the warm process
+        "cpu_pss": message.get("pss"), "cpu_peak_pss": message.get("peak_pss"),
+        "cpu_pss_anon": message.get("pss_anon"), "cpu_peak_pss_anon": message.get("peak_pss_anon"),
     }
     gpus = message.get("gpus") or [{}]
     return [
@@ -104,14 +107,11 @@ class Telemetry:
             return list(self._metrics)
 
     def peaks(self) -> dict[int, dict[str, int | None]]:
-        """Per rank: the highest resident CPU memory and GPU memory seen (bytes)."""
+        """Per rank: the highest memory seen (bytes), each kind under its own name (see _PEAKS)."""
         peaks: dict[int, dict[str, int | None]] = {}
         for record in self.memory():
-            peak = peaks.setdefault(
-                record["rank"], {"cpu_peak_rss": 0, "cpu_peak_pss": None, "gpu_peak_allocated": None, "gpu_peak_used": None}
-            )
-            peak["cpu_peak_rss"] = max(peak["cpu_peak_rss"] or 0, record["cpu_peak_rss"])
-            for field, source in (("cpu_peak_pss", "cpu_peak_pss"), ("gpu_peak_allocated", "gpu_peak_allocated"), ("gpu_peak_used", "gpu_used")):
+            peak = peaks.setdefault(record["rank"], dict.fromkeys(_PEAKS))
+            for field, source in _PEAKS.items():
                 if record[source] is not None:
                     peak[field] = max(peak[field] or 0, record[source])
         return dict(sorted(peaks.items()))
@@ -131,16 +131,30 @@ class Telemetry:
             return views
 
 
-_PEAK_FIELD = {"GPU": "gpu_peak_allocated", "CPU": "cpu_peak_rss", "CPU PSS": "cpu_peak_pss"}
+# peak_memory()'s fields and the record field each comes from.
+_PEAKS = {
+    "cpu_peak_rss": "cpu_peak_rss",  # resident, file pages included (a memory-mapped checkpoint, libraries)
+    "cpu_peak_anon": "cpu_peak_anon",  # anonymous resident: what tensors and the heap hold (sampled)
+    "cpu_peak_pss": "cpu_peak_pss",  # warm ranks: resident, shared pages divided among their sharers
+    "cpu_peak_pss_anon": "cpu_peak_pss_anon",  # warm ranks: anonymous, shared pages divided
+    "gpu_peak_allocated": "gpu_peak_allocated",  # torch's allocator
+    "gpu_peak_used": "gpu_used",  # NVML: what the process holds on the device
+}
+_PEAK_FIELD = {
+    "GPU": "gpu_peak_allocated", "CPU": "cpu_peak_rss", "CPU anon": "cpu_peak_anon", "CPU anon PSS": "cpu_peak_pss_anon",
+}
 
 
 def _shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
-    """The memory that matters for a rank: its GPU's when it uses one, else resident CPU memory,
-    as its proportional share (PSS) when it was forked from the warm process and shares pages."""
+    """The memory that reflects a rank's footprint: its GPU's when it uses one, else its anonymous
+    CPU memory (without file pages: a memory-mapped checkpoint is the page cache's, not the
+    rank's), as its proportional share when it was forked from the warm process and shares pages."""
     if record.get("gpu_allocated") is not None:
         return "GPU", float(record["gpu_used"] if record.get("gpu_used") is not None else record["gpu_reserved"])
-    if record.get("cpu_pss") is not None:
-        return "CPU PSS", float(record["cpu_pss"])
+    if record.get("cpu_pss_anon") is not None:
+        return "CPU anon PSS", float(record["cpu_pss_anon"])
+    if record.get("cpu_anon") is not None:
+        return "CPU anon", float(record["cpu_anon"])
     return "CPU", float(record["cpu_rss"])
 
 

@@ -34,6 +34,7 @@ def hold_memory(megabytes, steps):
 def test_sample_memory_reads_resident_memory_and_touches_no_gpu():
     sample = sample_memory()
     assert sample["rss"] > 10 * MIB and sample["peak_rss"] >= sample["rss"]
+    assert 0 < sample["anon"] < sample["rss"] and sample["peak_anon"] >= sample["anon"]
     assert sample["gpus"] == []  # CUDA is not initialized in this process: nothing is asked of it
 
 
@@ -54,7 +55,10 @@ def test_telemetry_keeps_records_peaks_and_views():
     assert not telemetry.add({"kind": "sample", "rank": 5, "time": 1.0, "rss": 1, "peak_rss": 1})  # no such rank
     assert [r["cpu_rss"] for r in telemetry.memory()] == [100 * MIB, 300 * MIB, 150 * MIB]
     assert telemetry.metrics() == [{"rank": 1, "time": 2.5, "step": 7, "loss": 0.25}]
-    assert telemetry.peaks() == {0: {"cpu_peak_rss": 300 * MIB, "cpu_peak_pss": None, "gpu_peak_allocated": None, "gpu_peak_used": None}}
+    assert telemetry.peaks() == {0: {
+        "cpu_peak_rss": 300 * MIB, "cpu_peak_anon": None, "cpu_peak_pss": None, "cpu_peak_pss_anon": None,
+        "gpu_peak_allocated": None, "gpu_peak_used": None,
+    }}
     rank0, rank1 = telemetry.views()
     assert (rank0.device, rank0.current, rank0.peak) == ("CPU", 150 * MIB, 300 * MIB)
     assert rank0.history == [100 * MIB, 300 * MIB, 150 * MIB]
@@ -101,6 +105,46 @@ def test_a_job_reports_each_ranks_memory_and_metrics():
     frame = handle.memory(frame=True)
     assert set(frame["rank"]) == {0, 1} and frame["cpu_peak_rss"].max() >= 200 * MIB
     assert list(handle.metrics(frame=True).columns) == ["rank", "time", "step", "loss", "lr"]
+
+
+def read_memory_mapped(path):
+    import time
+
+    import torch
+
+    import nbshard
+
+    torch.zeros(1).sum()  # torch imported and warmed up before the baseline
+    time.sleep(0.4)  # samples of the baseline
+    nbshard.log_metrics(step=0)  # marks when loading starts
+    tensor = torch.load(path, mmap=True, weights_only=True)
+    total = float(tensor.sum())  # every page of the file is now resident, in the page cache
+    time.sleep(0.6)
+    return total
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_memory_mapped_checkpoint_counts_as_resident_but_not_as_the_ranks_own(tmp_path, monkeypatch, warm):
+    import torch
+
+    monkeypatch.setattr(nbshard.settings, "warm", warm)
+    if warm:
+        from test_warm import warm_ready
+
+        warm_ready()
+    torch.save(torch.ones(32 * MIB // 4), tmp_path / "checkpoint.pt")  # 32 MiB
+    handle = nbshard.submit(read_memory_mapped, str(tmp_path / "checkpoint.pt"), nproc=1, sample_interval=0.1)
+    shown = io.StringIO()
+    handle.watch(shown)
+    assert handle.result() == 32 * MIB // 4 and handle.warm is warm
+    loading_starts = handle.metrics()[0]["time"]
+    before = [r for r in handle.memory() if r["time"] < loading_starts][-1]
+    peak = handle.peak_memory()[0]
+    anonymous = "cpu_pss_anon" if warm else "cpu_anon"
+    rss_growth = peak["cpu_peak_rss"] - before["cpu_rss"]
+    anonymous_growth = peak[anonymous.replace("cpu_", "cpu_peak_")] - before[anonymous]
+    assert rss_growth >= 30 * MIB and anonymous_growth < 16 * MIB, (rss_growth, anonymous_growth, peak)
+    assert f"peak memory: rank 0 CPU anon{' PSS' if warm else ''} " in shown.getvalue()
 
 
 def test_sampling_can_be_turned_off_while_metrics_still_arrive():

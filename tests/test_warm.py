@@ -195,7 +195,8 @@ def test_a_warm_ranks_memory_is_its_proportional_share_and_says_so(tmp_path, mon
     handle.watch()
     for rank, peak in handle.peak_memory().items():
         assert 64 << 20 < peak["cpu_peak_pss"] < peak["cpu_peak_rss"] - (50 << 20), (rank, peak)
-    assert "rank 0 CPU PSS" in capsys.readouterr().out
+        assert 64 << 20 < peak["cpu_peak_pss_anon"] < peak["cpu_peak_pss"], (rank, peak)
+    assert "rank 0 CPU anon PSS" in capsys.readouterr().out
     monkeypatch.setattr(nbshard.settings, "warm", False)
     cold = nbshard.submit(hold, 1, nproc=1, sample_interval=0.2)
     cold.watch()
