@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -244,14 +245,21 @@ def _initializer(template: nn.Module) -> Callable[[nn.Module], None] | None:
     """How a module of this model initializes itself: a Hugging Face model through its own
     ``_init_weights`` (which sets what its layers' ``reset_parameters`` would not), else None."""
     init_weights = getattr(template, "_init_weights", None)
-    return init_weights if callable(init_weights) else None
+    if not callable(init_weights):
+        return None
+    try:
+        inspect.signature(init_weights).bind(template)  # takes a module: HF's (and nanoGPT's) convention
+    except (TypeError, ValueError):
+        return None
+    return init_weights
 
 
 def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None) -> None:
     """Rank 0 initializes one module at a time and scatters it (``only``: just those keys)."""
     rank = dist.get_rank()
     targets = dict(model.named_parameters(remove_duplicate=False))
-    wanted = {id(targets[name]) for name in only} if only is not None else set(map(id, targets.values()))
+    # A persistent buffer the checkpoint lacks keeps the value the model was built with.
+    wanted = {id(targets[name]) for name in only if name in targets} if only is not None else set(map(id, targets.values()))
     init_weights = _initializer(template)
     done: set[int] = set()
     uninitialized: list[str] = []  # rank 0's: parameters no initializer wrote

@@ -67,7 +67,8 @@ class _ProportionalMemory:
     that share them (PSS). A forked rank's resident size counts every page of torch it shares
     with the warm process and its sibling ranks as its own; the proportional share does not.
     Reading smaps_rollup costs milliseconds, so it is read at most once a second, and between
-    reads the shared part is taken as unchanged."""
+    reads the shared part is taken as unchanged. The peaks come from those reads alone: an
+    estimate from a shared part that has since grown would overstate them."""
 
     REFRESH = 1.0
 
@@ -84,15 +85,16 @@ class _ProportionalMemory:
         if time.monotonic() - self._read_at >= self.REFRESH:
             with open("/proc/self/smaps_rollup", "rb") as rollup:
                 for line in rollup:
-                    if line.startswith(b"Pss:"):
-                        self._shared = max(rss - int(line.split()[1]) * 1024, 0)
-                    elif line.startswith(b"Pss_Anon:"):
-                        self._shared_anonymous = max(anonymous - int(line.split()[1]) * 1024, 0)
+                    if line.startswith((b"Pss:", b"Pss_Anon:")):
+                        exact = int(line.split()[1]) * 1024
+                        if line.startswith(b"Pss:"):
+                            self._shared = max(rss - exact, 0)
+                            self.peak(exact)
+                        else:
+                            self._shared_anonymous = max(anonymous - exact, 0)
+                            self.peak_anonymous(exact)
             self._read_at = time.monotonic()
-        pss, anonymous_pss = max(rss - self._shared, 0), max(anonymous - self._shared_anonymous, 0)
-        self.peak(pss)
-        self.peak_anonymous(anonymous_pss)
-        return pss, anonymous_pss
+        return max(rss - self._shared, 0), max(anonymous - self._shared_anonymous, 0)
 
 
 _proportional = _ProportionalMemory()

@@ -204,3 +204,19 @@ def lora_train_and_save(base_path, folder):
     fsdp.save_full(model, f"{folder}/lora.pt", trainable_only=True)
     fsdp.save_full(model, f"{folder}/as_base.safetensors", keys_of=base)
     return fsdp.full_state_dict(model)
+
+
+class WithCounter(RotaryLM):
+    """A persistent buffer that older checkpoints lack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("counter", torch.tensor(7.0))
+
+
+def with_counter_from(path):
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    return fsdp.full_state_dict(fsdp.build_sharded(WithCounter, full_checkpoint=path, strict=False))

@@ -101,3 +101,10 @@ def test_trainable_weights_alone_and_a_save_under_the_base_models_keys(tmp_path)
     plain = sharded_models.plain_base()
     plain.load_state_dict(load_file(tmp_path / "as_base.safetensors"))  # strict: the base model's keys, all of them
     assert torch.equal(plain.head.weight, base.head.weight)  # frozen, unchanged; LoRA is not merged
+
+
+def test_a_buffer_the_checkpoint_lacks_keeps_its_built_value_with_strict_false(tmp_path):
+    model = RotaryLM()
+    torch.save(model.state_dict(), tmp_path / "old.pt")
+    state = nbshard.run(sharded_models.with_counter_from, str(tmp_path / "old.pt"), nproc=2)
+    assert state["counter"].item() == 7.0 and torch.equal(state["norm.weight"], model.norm.weight.detach())
