@@ -69,9 +69,33 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the model's ``nn.ModuleList``s: a transformer's layers."""
-    return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+def default_blocks(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """The units sharded one by one before the root: the children of the model's
+    ``nn.ModuleList``s (a transformer's layers), and each large module outside them (an
+    embedding, the output head: at least half a layer's parameters of its own) as a unit of its
+    own, so the root does not hold them whole through forward and backward. Modules that share
+    a parameter (a tied embedding and head) form one unit."""
+    layers = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    if not layers:
+        return []
+    inside = {id(sub) for layer in layers for sub in layer.modules()}
+    threshold = max(min(_parameter_count(layer) for layer in layers) // 2, 1)
+    groups: list[tuple[set[int], list[nn.Module]]] = []
+    for module in model.modules():
+        own = {id(p): p.numel() for p in module.parameters(recurse=False)}
+        if module is model or id(module) in inside or sum(own.values()) < threshold:
+            continue
+        group = next((g for g in groups if g[0] & own.keys()), None)
+        if group is None:
+            groups.append((set(own), [module]))
+        else:
+            group[0].update(own)
+            group[1].append(module)
+    return [*layers, *(modules[0] if len(modules) == 1 else modules for _, modules in groups)]
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def build_sharded(
@@ -81,7 +105,7 @@ def build_sharded(
     sharded_checkpoint: str | os.PathLike[str] | None = None,
     strict: bool = True,
     seed: int = 0,
-    blocks: Callable[[nn.Module], Iterable[nn.Module]] = default_blocks,
+    blocks: Callable[[nn.Module], Iterable[nn.Module | list[nn.Module]]] = default_blocks,
     device: torch.device | str | None = None,
     **shard_options: Any,
 ) -> nn.Module:
@@ -94,8 +118,9 @@ def build_sharded(
     A tied parameter is filled from whichever of its names the checkpoint has.
     ``strict=False`` leaves checkpoint keys the model lacks aside and initializes
     parameters the checkpoint lacks (e.g. new LoRA weights) as from scratch.
-    ``blocks(model)`` names the modules sharded one by one before the root
-    (default: the layers of each ``nn.ModuleList``); ``shard_options`` go to
+    ``blocks(model)`` names the units sharded one by one before the root, each a module
+    or a list of modules sharded together (default: ``default_blocks``, the layers of
+    each ``nn.ModuleList`` and large embeddings and heads); ``shard_options`` go to
     ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device`` defaults to this
     rank's GPU, or the CPU.
     """

@@ -20,13 +20,14 @@ class Block(nn.Module):
 class RotaryLM(nn.Module):
     """Tied embedding and head, and a non-persistent rotary buffer, like many LLMs."""
 
-    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3) -> None:
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3, tie: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied after the layers are built
+        if tie:
+            self.head.weight = self.embed.weight  # tied after the layers are built
         inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -220,3 +221,22 @@ def with_counter_from(path):
 
     nbshard.init_process_group()
     return fsdp.full_state_dict(fsdp.build_sharded(WithCounter, full_checkpoint=path, strict=False))
+
+
+def large_vocabulary(vocab, tied):
+    """Embedding and head large beside a layer: their own sharding units; one SGD step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+
+    model = fsdp.build_sharded(lambda: RotaryLM(vocab=vocab, tie=tied), seed=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(TOKENS.to(nbshard.device())).pow(2).mean().backward()
+    optimizer.step()
+    return {
+        "units": sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule) and name),
+        "state": fsdp.full_state_dict(model), "tied": model.head.weight is model.embed.weight,
+    }

@@ -78,3 +78,26 @@ def test_a_sharded_checkpoint_of_another_model_names_the_keys(tmp_path):
 def test_a_parameter_without_reset_parameters_is_named():
     with pytest.raises(nbshard.JobFailed, match=r"no reset_parameters\(\) initializes scale"):
         nbshard.run(sharded_models.without_reset_parameters, nproc=2)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_large_embeddings_and_heads_are_sharding_units_of_their_own(tied):
+    result = nbshard.run(sharded_models.large_vocabulary, 1024, tied, nproc=2)
+    layers = ["blocks.0", "blocks.1", "blocks.2"]
+    assert result["units"] == sorted([*layers, "embed", "head"]), result["units"]
+    assert result["tied"] is tied
+    torch.manual_seed(3)
+    model = RotaryLM(vocab=1024, tie=tied)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(TOKENS).pow(2).mean().backward()
+    optimizer.step()
+    for key, value in model.state_dict().items():
+        assert torch.allclose(result["state"][key], value, atol=1e-6), key
+
+
+def test_default_blocks_leaves_small_modules_to_the_root():
+    from nbshard.fsdp import default_blocks
+
+    model = RotaryLM()  # vocabulary 64: the embedding is a quarter of a layer
+    assert default_blocks(model) == list(model.blocks)
+    assert default_blocks(torch.nn.Linear(4, 4)) == []
