@@ -240,3 +240,36 @@ def large_vocabulary(vocab, tied):
         "units": sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule) and name),
         "state": fsdp.full_state_dict(model), "tied": model.head.weight is model.embed.weight,
     }
+
+
+LITGPT_MODEL = {"name": "pythia-14m", "n_layer": 2, "block_size": 64}
+LITGPT_LORA = {"lora_r": 4, "lora_alpha": 8, "lora_query": True, "lora_value": True}
+LITGPT_TOKENS = torch.arange(32).reshape(2, 16)
+
+
+def litgpt_config(lora: bool):
+    from litgpt.config import Config
+
+    name, overrides = LITGPT_MODEL["name"], {k: v for k, v in LITGPT_MODEL.items() if k != "name"}
+    if lora:
+        from litgpt.lora import Config as LoRAConfig
+
+        return LoRAConfig.from_name(name, **overrides, **LITGPT_LORA)
+    return Config.from_name(name, **overrides)
+
+
+def litgpt_lora_from_base(path):
+    """litgpt's own LoRA GPT, sharded, from a base checkpoint in one call."""
+    from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: GPT(litgpt_config(lora=True)), full_checkpoint=path, strict=False)
+    mark_only_lora_as_trainable(model)
+    logits = model(LITGPT_TOKENS.to(nbshard.device())).detach()
+    return {
+        "state": fsdp.full_state_dict(model), "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits,
+        "trainable": fsdp.full_state_dict(model, trainable_only=True),
+    }

@@ -108,3 +108,25 @@ def test_a_buffer_the_checkpoint_lacks_keeps_its_built_value_with_strict_false(t
     torch.save(model.state_dict(), tmp_path / "old.pt")
     state = nbshard.run(sharded_models.with_counter_from, str(tmp_path / "old.pt"), nproc=2)
     assert state["counter"].item() == 7.0 and torch.equal(state["norm.weight"], model.norm.weight.detach())
+
+
+def test_litgpt_lora_loads_a_base_checkpoint_sharded_in_one_call(tmp_path):
+    pytest.importorskip("litgpt", reason="litgpt is a test dependency: pip install --no-deps litgpt (see .ci/run)")
+    from litgpt.model import GPT
+
+    torch.manual_seed(0)
+    base = GPT(sharded_models.litgpt_config(lora=False)).eval()
+    torch.save(base.state_dict(), tmp_path / "lit_model.pth")
+    result = nbshard.run(sharded_models.litgpt_lora_from_base, str(tmp_path / "lit_model.pth"), nproc=2)
+    state = result["state"]
+    for key, value in base.state_dict().items():  # every base weight, under LoRA's own names
+        lora_key = key.replace("qkv.weight", "qkv.linear.weight").replace("qkv.bias", "qkv.linear.bias")
+        lora_key = lora_key.replace("lm_head.weight", "lm_head.linear.weight").replace("proj.weight", "proj.linear.weight")
+        lora_key = lora_key.replace("proj.bias", "proj.linear.bias").replace("fc.weight", "fc.linear.weight").replace("fc.bias", "fc.linear.bias")
+        assert torch.equal(state[lora_key], value), key
+    lora_b = [key for key in state if key.endswith("lora_B")]
+    assert lora_b and all(torch.count_nonzero(state[key]) == 0 for key in lora_b)  # LoRA starts as a no-op
+    assert sorted(result["trainable"]) == sorted(key for key in state if "lora_" in key)
+    with torch.no_grad():
+        expected = base(sharded_models.LITGPT_TOKENS)
+    assert torch.allclose(result["logits"], expected, atol=1e-5)
