@@ -34,55 +34,36 @@ def build_model(width: int, depth: int):
 
 
 def measure(mode: str, width: int, depth: int, folder: str) -> dict:
-    import threading
     import time
 
     import torch
+    from peak_memory import PeakAnonymousMemory
     from torch.distributed.fsdp import fully_shard
 
     import nbshard
     from nbshard import fsdp
 
-    def anonymous_bytes() -> int:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
     nbshard.init_process_group()
-    baseline = anonymous_bytes()
-    peak = [baseline]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.002):
-            peak[0] = max(peak[0], anonymous_bytes())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     started = time.perf_counter()
     build = lambda: build_model(width, depth)  # noqa: E731
-    if mode == "naive":
-        model = build().to(nbshard.device())
-        for block in model[0]:
-            fully_shard(block)
-        fully_shard(model)
-    elif mode == "helper, from scratch":
-        model = fsdp.build_sharded(build, seed=0)
-    elif mode == "helper, full checkpoint on rank 0":
-        model = fsdp.build_sharded(build, full_checkpoint=f"{folder}/full.pt")
-    else:
-        model = fsdp.build_sharded(build, sharded_checkpoint=f"{folder}/sharded")
+    with PeakAnonymousMemory() as peak:
+        if mode == "naive":
+            model = build().to(nbshard.device())
+            for block in model[0]:
+                fully_shard(block)
+            fully_shard(model)
+        elif mode == "helper, from scratch":
+            model = fsdp.build_sharded(build, seed=0)
+        elif mode == "helper, full checkpoint on rank 0":
+            model = fsdp.build_sharded(build, full_checkpoint=f"{folder}/full.pt")
+        else:
+            model = fsdp.build_sharded(build, sharded_checkpoint=f"{folder}/sharded")
     seconds = time.perf_counter() - started
-    stop.set()
-    sampler.join()
-    peak[0] = max(peak[0], anonymous_bytes())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # global sizes (DTensor)
     if mode == "helper, from scratch":
         fsdp.save_sharded(model, f"{folder}/sharded")
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    return {"peak_above_baseline": peak[0] - baseline, "model_bytes": full_bytes, "seconds": seconds, "cuda_peak": cuda}
+    return {"peak_above_baseline": peak.above_baseline, "model_bytes": full_bytes, "seconds": seconds, "cuda_peak": cuda}
 
 
 def write_full_checkpoint(width: int, depth: int, path: str) -> int:

@@ -53,18 +53,10 @@ def build_model(width: int, depth: int):
 
 
 def measure(units: str, width: int, depth: int) -> dict:
-    import threading
-
     import torch
+    from peak_memory import PeakAnonymousMemory
 
     from nbshard import fsdp
-
-    def anonymous_bytes() -> int:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-        return 0
 
     nbshard.init_process_group()
     blocks = (lambda model: list(model.layers)) if units == "layers only" else fsdp.default_blocks
@@ -74,23 +66,12 @@ def measure(units: str, width: int, depth: int) -> dict:
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     peaks = []
     for _ in range(3):
-        baseline = anonymous_bytes()
-        peak = [baseline]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.002):
-                peak[0] = max(peak[0], anonymous_bytes())
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as between real steps
-        stop.set()
-        sampler.join()
-        peaks.append(peak[0] - baseline)
+        with PeakAnonymousMemory() as peak:
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as between real steps
+        peaks.append(peak.above_baseline)
     return {"peak_above_built": statistics.median(peaks), "model_bytes": full_bytes}
 
 

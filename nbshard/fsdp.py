@@ -307,7 +307,8 @@ def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set
                     module.reset_parameters()
                 if init_weights is not None:
                     init_weights(module)
-                uninitialized += [names[n] for n, p in materialized.items() if p.is_floating_point() and p.isnan().any()]
+                # A sum is NaN when any element is; it allocates no tensor of the parameter's size.
+                uninitialized += [names[n] for n, p in materialized.items() if p.is_floating_point() and p.sum().isnan()]
             for name, meta in own.items():
                 target = targets[names[name]]
                 if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbshard.backends import WarmLauncher
-from nbshard.display import render_html, render_text
+from nbshard.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
 from nbshard.files import OpenedDir, read_json, write_atomic
 from nbshard.handle import JobHandle
@@ -158,10 +158,6 @@ class Session:
     def _repr_html_(self) -> str:
         return render_html(self.summary(), self._telemetry.views(), "")
 
-    def memory_text(self) -> str:
-        """The memory each rank holds now (what stays loaded between calls), as text."""
-        return render_text(self.summary(), self._telemetry.views())
-
     @property
     def names(self) -> set[str]:
         """The names rank 0's namespace held after the last call."""
@@ -234,7 +230,7 @@ class Session:
         new: JobError | None
         if status == "succeeded":
             return error  # None, or a result the kernel could not load
-        if status in ("failed",) and not outcome.get("diverged"):  # type: ignore[union-attr]
+        if status == "failed" and not outcome.get("diverged"):  # type: ignore[union-attr]
             new = JobFailed(f"The call failed in every rank that ran it; session {self.name!r} lives on.", failures, where)
         elif status == "failed":
             self.state = "diverged"

@@ -202,14 +202,12 @@ def run_job(
 def _run(run_dir: RunDir, rank: int) -> int:
     launch = read_json(run_dir.launch)
     _use_kernel_path(launch["sys_path"])
+    _start_monitor(run_dir, rank, launch)
     if launch.get("session"):
         from nbshard import session_rank
 
-        _start_monitor(run_dir, rank, launch)
         return session_rank.serve(run_dir, rank, launch)
-    payload = run_dir.job.read_bytes()
-    _start_monitor(run_dir, rank, launch)
-    return run_job(run_dir, rank, payload, keep_result=rank == 0 or launch["return_all"])
+    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch["return_all"])
 
 
 def _exit(code: int) -> None:
