@@ -76,6 +76,7 @@ class JobHandle:
         if self.launch_note:
             self._live.note(self.launch_note)
         self._reported_drops: collections.Counter[int] = collections.Counter()
+        self._received_lines: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
         self._exception: JobError | None = None
@@ -300,6 +301,7 @@ class JobHandle:
         kind = message.get("kind")
         if kind == "lines":
             rank = message["rank"]
+            self._received_lines[rank] += len(message["lines"])
             self._live.lines(rank, message["lines"])
             self._telemetry.last_line(rank, message["lines"][-1][2])
         elif kind in ("sample", "metrics"):
@@ -320,11 +322,19 @@ class JobHandle:
         )
 
     def _note_unreported_drops(self, outcome: dict[str, Any] | None) -> None:
-        """The launcher's final tally, in case its last notices could not reach the kernel."""
+        """The launcher's final tally, in case its last notices could not reach the kernel, and
+        lines it sent that never arrived (it exited before a slow kernel had read them)."""
         for rank, total in (outcome or {}).get("dropped_lines", {}).items():
             missing = total - self._reported_drops[int(rank)]
             if missing > 0:
                 self._note_dropped(int(rank), missing)
+        for rank, sent in (outcome or {}).get("lines_sent", {}).items():
+            lost = sent - self._received_lines[int(rank)]
+            if lost > 0:
+                self._live.note(
+                    f"the last {lost} lines of rank {rank} were not shown live: the launcher exited before "
+                    f"the kernel had read them; the full log is {self._paths.log(int(rank))}"
+                )
 
     def _drain(self) -> None:
         end_seen = False

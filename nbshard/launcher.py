@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import selectors
 import signal
 import socket
@@ -37,9 +38,15 @@ FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another fail
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 PORT_ATTEMPTS = 3
-END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue
+END_SEND_WAIT = 1.0  # how long the final messages may wait for room in the queue when nobody reads them
+FINAL_FLUSH = 10.0  # how long they may wait, and be flushed, while the kernel lives (a slow one, after a flood)
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
 EXITED = "exited"  # the selector's mark for a rank's pidfd, with the rank: (EXITED, rank)
+
+
+def _readable(fd: int) -> bool:
+    """Whether ``fd`` (a pidfd: its process has exited) is readable now."""
+    return bool(select.select([fd], [], [], 0)[0])
 
 
 def pick_port(preferred: int | None = None) -> int:
@@ -118,6 +125,7 @@ class Launcher:
         self.ranks: list[Rank] = []
         self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
         self.dropped_total: dict[int, int] = {}
+        self.lines_sent: dict[int, int] = {}  # queued for the kernel, by rank: it can tell what never arrived
         self.notes: list[str] = []
         self.stop_reason: str | None = None
         self.first_failure: int | None = None
@@ -144,19 +152,23 @@ class Launcher:
             self._sender = Sender(self.spec["address"], self.run_dir.key.read_bytes())
         return self._sender
 
-    def close_sender(self) -> None:
-        """Flush and close the socket, ending ZeroMQ's threads (before forking ranks again)."""
+    def close_sender(self, linger: float | None = None) -> None:
+        """Flush (for ``linger`` seconds at most) and close the socket, ending ZeroMQ's threads
+        (before forking ranks again)."""
         if self._sender is not None:
-            self._sender.close()
+            self._sender.close(None if linger is None else int(linger * 1000))
             self._sender = None
 
     def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
         """Send without blocking (or ``wait`` at most); count lines the kernel was too slow to take."""
         if rank is not None:
             self.send_dropped_notice(rank, wait)
-        if not self.sender.send(message, wait) and lines:
+        sent = self.sender.send(message, wait)
+        if lines and not sent:
             self.dropped[rank] = self.dropped.get(rank, 0) + lines  # type: ignore[index]
             self.dropped_total[rank] = self.dropped_total.get(rank, 0) + lines  # type: ignore[index]
+        elif lines:
+            self.lines_sent[rank] = self.lines_sent.get(rank, 0) + lines  # type: ignore[index]
 
     def send_dropped_notice(self, rank: int, wait: float = 0.0) -> None:
         if self.dropped.get(rank):
@@ -410,6 +422,7 @@ class Launcher:
             "master_port": port,
             "notes": self.notes,
             "dropped_lines": {str(rank): count for rank, count in self.dropped_total.items()},
+            "lines_sent": {str(rank): count for rank, count in self.lines_sent.items()},
             "ranks": [
                 {
                     "rank": p.rank, "exitcode": p.returncode, "ok": p.ok, "ended": p.ended_at,
@@ -419,11 +432,18 @@ class Launcher:
             ],
         }
 
+    def kernel_alive(self) -> bool:
+        if self.stop_reason == "kernel_gone":
+            return False
+        if self.kernel_pidfd is None:
+            return True
+        return not _readable(self.kernel_pidfd)
+
     def close(self) -> None:
         for proc in self.ranks:
             proc.close()
         kill_leftovers()
-        self.close_sender()
+        self.close_sender(FINAL_FLUSH if self.kernel_alive() else None)
 
 
 def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> int:
@@ -441,10 +461,11 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
             write_json(paths.outcome, outcome)
         except OSError as error:  # the kernel learns why from the last message instead
             outcome["storage_error"] = outcome["storage_error"] or f"{error.strerror} while writing {paths.outcome}"
-        # The last words may wait a little for a slow kernel, never long: the files hold the truth.
+        # The last words may wait for a slow kernel while it lives, never long: the files hold the truth.
+        wait = FINAL_FLUSH if launcher.kernel_alive() else END_SEND_WAIT
         for rank in list(launcher.dropped):
-            launcher.send_dropped_notice(rank, wait=END_SEND_WAIT)
-        launcher.send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=END_SEND_WAIT)
+            launcher.send_dropped_notice(rank, wait=wait)
+        launcher.send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=wait)
     finally:
         launcher.close()
     return 0

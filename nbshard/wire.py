@@ -158,7 +158,10 @@ class Sender:
             return False
         return True
 
-    def close(self) -> None:
-        """Flush for at most the linger time, so an exiting process never hangs on the kernel."""
+    def close(self, linger_ms: int | None = None) -> None:
+        """Flush for at most the linger time (``linger_ms``, else the one it was made with), so
+        an exiting process never hangs on the kernel."""
+        if linger_ms is not None:
+            self._socket.setsockopt(zmq.LINGER, linger_ms)
         self._socket.close()
         self._context.term()
