@@ -54,9 +54,6 @@ class Checkpoint:
         source = self._source(key)
         return source[key] if isinstance(source, dict) else source.get_tensor(key)
 
-    def close(self) -> None:
-        self._open.clear()
-
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from nbshard.checkpoints import match_keys, model_keys, open_checkpoint
+from nbshard.checkpoints import Checkpoint, match_keys, model_keys, open_checkpoint
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
 
@@ -198,10 +198,9 @@ def _load_sharded(model: nn.Module, path: str) -> None:
     set_model_state_dict(model, state)
 
 
-def _plan_full_load(model: nn.Module, template: nn.Module, path: str, strict: bool) -> dict[str, Any]:
+def _plan_full_load(model: nn.Module, template: nn.Module, checkpoint: Checkpoint, strict: bool) -> dict[str, Any]:
     """On rank 0: which checkpoint key fills each of the model's tensors (tied ones once), which it
     lacks, and a message when they do not fit."""
-    checkpoint = open_checkpoint(path)
     shapes = {key: checkpoint.shape_and_dtype(key) for key in checkpoint.keys()}
     arrived = match_keys(template, shapes)
     fills: list[tuple[str, str]] = []
@@ -223,7 +222,7 @@ def _plan_full_load(model: nn.Module, template: nn.Module, path: str, strict: bo
         "; strict=False initializes what the checkpoint lacks (new LoRA weights) and leaves aside what the model lacks."
         if strict else "."
     )
-    problem = _describe_mismatch(f"The checkpoint {path}", missing if strict else [], unexpected if strict else [], reshaped, hint)
+    problem = _describe_mismatch(f"The checkpoint {checkpoint.path}", missing if strict else [], unexpected if strict else [], reshaped, hint)
     return {"fills": fills, "missing": missing, "unexpected": unexpected, "problem": problem}
 
 
@@ -239,9 +238,11 @@ def _load_full_from_rank0(model: nn.Module, template: nn.Module, path: str, stri
     """Fill each shard from the checkpoint that rank 0 alone reads, one tensor at a time; returns
     the keys of tensors it lacks (only with ``strict=False``)."""
     plan: list[dict[str, Any] | None] = [None]
+    checkpoint = None  # rank 0's, opened once: for the plan, then the tensors
     if dist.get_rank() == 0:
         try:
-            plan[0] = _plan_full_load(model, template, path, strict)
+            checkpoint = open_checkpoint(path)
+            plan[0] = _plan_full_load(model, template, checkpoint, strict)
         except (OSError, ValueError, RuntimeError, ImportError) as error:
             plan[0] = {"problem": f"{type(error).__name__}: {error}"}
     dist.broadcast_object_list(plan, src=0)  # every rank raises together, none waits forever
@@ -252,7 +253,6 @@ def _load_full_from_rank0(model: nn.Module, template: nn.Module, path: str, stri
         left = plan[0]["unexpected"]
         warnings.warn(f"build_sharded(strict=False): {len(left)} checkpoint keys the model lacks were left aside: "
                       f"{', '.join(left[:10])}{' ...' if len(left) > 10 else ''}", stacklevel=3)
-    checkpoint = open_checkpoint(path) if dist.get_rank() == 0 else None
     tensors = dict(model_keys(model))
     with torch.no_grad():
         for name, key in plan[0]["fills"]:

@@ -24,6 +24,7 @@ from nbshard.handle import JobHandle
 from nbshard.job import Job
 from nbshard.persistent import Session, session, sessions
 from nbshard.pickling import describe_unpicklable, find_unpicklable
+from nbshard.session_rank import is_notebook_code
 
 __all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
 
@@ -249,9 +250,7 @@ class ShardMagics(Magics):
 
 def _is_code(value: Any) -> bool:
     """Functions, classes and modules of the notebook: shipped to a session every time (code one edits)."""
-    return isinstance(value, types.ModuleType) or (
-        isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
-    )
+    return isinstance(value, types.ModuleType) or is_notebook_code(value)
 
 
 def _session_of(args: Any) -> Session:

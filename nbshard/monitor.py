@@ -85,14 +85,14 @@ class _ProportionalMemory:
         if time.monotonic() - self._read_at >= self.REFRESH:
             with open("/proc/self/smaps_rollup", "rb") as rollup:
                 for line in rollup:
-                    if line.startswith((b"Pss:", b"Pss_Anon:")):
+                    if line.startswith(b"Pss:"):
                         exact = int(line.split()[1]) * 1024
-                        if line.startswith(b"Pss:"):
-                            self._shared = max(rss - exact, 0)
-                            self.peak(exact)
-                        else:
-                            self._shared_anonymous = max(anonymous - exact, 0)
-                            self.peak_anonymous(exact)
+                        self._shared = max(rss - exact, 0)
+                        self.peak(exact)
+                    elif line.startswith(b"Pss_Anon:"):
+                        exact = int(line.split()[1]) * 1024
+                        self._shared_anonymous = max(anonymous - exact, 0)
+                        self.peak_anonymous(exact)
             self._read_at = time.monotonic()
         return max(rss - self._shared, 0), max(anonymous - self._shared_anonymous, 0)
 

@@ -1,9 +1,10 @@
 """A rank of a persistent session: run call after call in one namespace.
 
-The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST``
+The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST ALL``
 lines (the call's files are in ``calls/CALL`` of the session's run directory, and
-the job file must hash to DIGEST), on the other this rank answers ``CALL STATUS
-COLLECTIVES`` when the call is over. End-of-file on the first closes the session.
+the job file must hash to DIGEST) and ``interrupt CALL``, on the other this rank
+answers ``ready`` once, then ``CALL STATUS COLLECTIVES`` when each call is over.
+End-of-file on the first closes the session.
 Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from nbshard.files import write_json
 from nbshard.job import RunDir
 
-__all__ = ["NAMES_FILE", "PIPES_ENV", "collectives_issued", "in_session", "serve"]
+__all__ = ["NAMES_FILE", "PIPES_ENV", "collectives_issued", "in_session", "is_notebook_code", "serve"]
 
 NAMES_FILE = "names.json"  # in a call's directory: the names rank 0's namespace holds after it
 PIPES_ENV = "NBSHARD_SESSION_FDS"  # "READ,WRITE": this rank's ends of its two pipes to the launcher
@@ -54,24 +55,24 @@ def collectives_issued() -> int | None:
         return None
 
 
-def _is_notebook_code(value: Any) -> bool:
+def is_notebook_code(value: Any) -> bool:
     """A function or class defined in the notebook: code the person edits, shipped fresh each call."""
     return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
-def in_session(fn: Any, namespace: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+def in_session(fn: Any, namespace: dict[str, Any]) -> dict[str, Any] | None:
     """Let a notebook function see the session's names: those it reads that the session holds
     win over the notebook's values (its functions and classes are taken fresh), and what it
-    binds (``global model``) stays. Returns the function and the globals to keep after it."""
+    binds (``global model``) stays. Returns the globals to keep after it (None for others)."""
     if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
-        return fn, None
+        return None
     shipped = fn.__globals__
     for name, value in namespace.items():
         if name.startswith("__"):
             continue
-        if name not in shipped or not _is_notebook_code(shipped[name]):
+        if name not in shipped or not is_notebook_code(shipped[name]):
             shipped[name] = value
-    return fn, shipped
+    return shipped
 
 
 def _keep(namespace: dict[str, Any], shipped: dict[str, Any] | None) -> None:
@@ -129,7 +130,7 @@ def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
     namespace["rank"], namespace["world_size"] = rank, int(os.environ["WORLD_SIZE"])
 
     def call_in_session(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        fn, shipped = in_session(fn, namespace)
+        shipped = in_session(fn, namespace)
         _State.in_call, _State.assigned = True, False
         try:
             if _State.pending or commands.interrupted(call):
@@ -155,7 +156,7 @@ def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
             status = "error"
         else:
             code = worker.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session,
-                                  keep=lambda name, value: not _is_notebook_code(value))
+                                  keep=lambda name, value: not is_notebook_code(value))
             status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
         _State.assigned = False
         if rank == 0:

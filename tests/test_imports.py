@@ -40,7 +40,7 @@ ALLOWED = {
     "client": {"job", "files", "wire", "backends", "handle", "pickling", "gpus"},
     "testing": {"__init__"},
     "cell": {"pickling"},  # a rank pickles each pulled name on its own
-    "magic": {"cell", "client", "errors", "handle", "job", "pickling", "persistent"},
+    "magic": {"cell", "client", "errors", "handle", "job", "pickling", "persistent", "session_rank"},
     "__init__": {"client", "dist", "errors", "job", "magic", "gpus", "monitor", "persistent"},
 }
 
