@@ -16,8 +16,8 @@ to the root, allocates only this rank's shard, and fills it:
 
 - from a sharded ``torch.distributed.checkpoint`` directory: each rank reads
   only its own shards;
-- from a full checkpoint that rank 0 alone reads, memory-mapped, and
-  broadcasts (``set_model_state_dict(..., broadcast_from_rank0=True)``);
+- from a full checkpoint that rank 0 alone reads, memory-mapped, one tensor
+  at a time, sending each rank its rows (``_scatter_into``);
 - from scratch: rank 0 initializes one module at a time with each module's own
   ``reset_parameters()`` in the order the model registers its modules, under
   ``seed``, and scatters it. With torch.nn's layers this makes the gathered
@@ -25,6 +25,9 @@ to the root, allocates only this rank's shard, and fills it:
   process (tied weights too, when the tie is made after the layers are built),
   while no rank holds more than its shard and one module. A parameter whose
   module has no ``reset_parameters()`` is an error that names it.
+
+A vocabulary's embedding and head are not gathered whole but a chunk of rows at
+a time (``nbshard.chunked``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -43,10 +47,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nbshard.checkpoints import Checkpoint, match_keys, model_keys, open_checkpoint
+from nbshard.chunked import can_chunk, shard_by_rows
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
 
@@ -98,6 +104,11 @@ def _parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _parameter_bytes(modules: list[nn.Module]) -> int:
+    unique = {id(p): p for module in modules for p in module.parameters()}
+    return sum(p.numel() * p.element_size() for p in unique.values())
+
+
 def build_sharded(
     build: Callable[[], nn.Module],
     *,
@@ -106,6 +117,7 @@ def build_sharded(
     strict: bool = True,
     seed: int = 0,
     blocks: Callable[[nn.Module], Iterable[nn.Module | list[nn.Module]]] = default_blocks,
+    gather_in_chunks: bool = True,
     device: torch.device | str | None = None,
     **shard_options: Any,
 ) -> nn.Module:
@@ -120,9 +132,12 @@ def build_sharded(
     parameters the checkpoint lacks (e.g. new LoRA weights) as from scratch.
     ``blocks(model)`` names the units sharded one by one before the root, each a module
     or a list of modules sharded together (default: ``default_blocks``, the layers of
-    each ``nn.ModuleList`` and large embeddings and heads); ``shard_options`` go to
-    ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device`` defaults to this
-    rank's GPU, or the CPU.
+    each ``nn.ModuleList`` and large embeddings and heads). With ``gather_in_chunks``
+    a unit made only of plain ``nn.Embedding``/``nn.Linear`` layers (a vocabulary's
+    embedding and head) is not gathered whole around its use but a chunk of rows at a
+    time, each chunk half the size of the largest other unit (``nbshard.chunked``).
+    ``shard_options`` go to ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device``
+    defaults to this rank's GPU, or the CPU.
     """
     if full_checkpoint is not None and sharded_checkpoint is not None:
         raise ValueError("pass full_checkpoint= or sharded_checkpoint=, not both")
@@ -134,9 +149,20 @@ def build_sharded(
     with _parameters_on_meta():
         model = build()
     template = copy.deepcopy(model)  # unsharded, on meta: for matching keys and initializing
-    for block in blocks(model):
-        fully_shard(block, **shard_options)
-    fully_shard(model, **shard_options)
+    units = [unit if isinstance(unit, list) else [unit] for unit in blocks(model)]
+    mesh = shard_options.get("mesh") or init_device_mesh(device.type, (dist.get_world_size(),))
+    shard_options = {**shard_options, "mesh": mesh}  # one mesh for every sharded parameter
+    chunked = [unit for unit in units if gather_in_chunks and mesh.ndim == 1 and all(map(can_chunk, unit))]
+    whole = [unit for unit in units if unit not in chunked]
+    ignored = set(shard_options.pop("ignored_params", None) or ())
+    if chunked:
+        largest = max((_parameter_bytes(unit) for unit in whole), default=64 * 2**20)
+        mp_policy = shard_options.get("mp_policy")
+        ignored |= shard_by_rows([module for unit in chunked for module in unit], mesh, largest // 2,
+                                 mp_policy.param_dtype if mp_policy is not None else None)
+    for unit in whole:
+        fully_shard(unit if len(unit) > 1 else unit[0], ignored_params=ignored or None, **shard_options)
+    fully_shard(model, ignored_params=ignored or None, **shard_options)
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # allocates this rank's shard of each parameter only
     with torch.no_grad():
@@ -256,13 +282,8 @@ def _load_full_from_rank0(model: nn.Module, template: nn.Module, path: str, stri
     tensors = dict(model_keys(model))
     with torch.no_grad():
         for name, key in plan[0]["fills"]:
-            target = tensors[name]
-            local = target.to_local() if isinstance(target, DTensor) else target
-            if checkpoint is not None:
-                full = checkpoint.tensor(key).to(local.dtype)
-            else:
-                full = torch.empty(target.shape, dtype=local.dtype)  # never written: no memory is touched
-            _scatter_into(target, full)
+            # Converted to the model's dtype a piece at a time; other ranks only receive.
+            _scatter_into(tensors[name], checkpoint.tensor(key) if checkpoint is not None else None)
     return set(plan[0]["missing"])
 
 
@@ -309,12 +330,11 @@ def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set
                     init_weights(module)
                 # A sum is NaN when any element is; it allocates no tensor of the parameter's size.
                 uninitialized += [names[n] for n, p in materialized.items() if p.is_floating_point() and p.sum().isnan()]
-            for name, meta in own.items():
+            for name in own:
                 target = targets[names[name]]
                 if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values
                     continue
-                full = module._parameters[name] if rank == 0 else torch.empty(meta.shape, dtype=meta.dtype)
-                _scatter_into(target, full.detach())
+                _scatter_into(target, module._parameters[name].detach() if rank == 0 else None)
                 done.add(id(target))
             module.to_empty(device="meta", recurse=False)  # rank 0 lets go of the module
     left = sorted(name for name, param in targets.items() if id(param) in wanted and id(param) not in done)
@@ -328,14 +348,38 @@ def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set
         )
 
 
-def _scatter_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Fill ``target`` (a sharded DTensor parameter) from rank 0's ``full`` tensor."""
+_PIECE_BYTES = 64 * 2**20  # what rank 0 sends at a time while filling a row-sharded parameter
+
+
+def _scatter_into(target: torch.Tensor, full: torch.Tensor | None) -> None:
+    """Fill ``target`` (a sharded DTensor parameter) from rank 0's ``full`` tensor (None on the
+    other ranks). A row-sharded one (FSDP2's layout) gets its rows straight into
+    its shard a piece at a time, so rank 0 holds no copy of ``full`` beside it (``full`` may be a
+    memory-mapped checkpoint tensor, of another dtype)."""
     if not isinstance(target, DTensor):
-        dist.broadcast(full, src=0)
-        target.copy_(full)
+        if full is not None:
+            target.copy_(full)
+        dist.broadcast(target.data, src=0)
         return
-    local = distribute_tensor(full.to(target.to_local().device), target.device_mesh, target.placements, src_data_rank=0)
-    target.to_local().copy_(local.to_local())
+    mesh, local = target.device_mesh, target.to_local()
+    if mesh.ndim != 1 or tuple(target.placements) != (Shard(0),) or not local.is_contiguous() or target.ndim == 0:
+        whole = (full if full is not None else torch.empty(target.shape, dtype=local.dtype)).to(local.device, local.dtype)
+        local.copy_(distribute_tensor(whole, mesh, target.placements, src_data_rank=0).to_local())
+        return
+    group, me, per_rank = mesh.get_group(), mesh.get_local_rank(), math.ceil(target.shape[0] / mesh.size())
+    piece_rows = max(1, _PIECE_BYTES // max(math.prod(target.shape[1:]) * local.element_size(), 1))
+    for owner in range(mesh.size()):
+        first, end = owner * per_rank, min((owner + 1) * per_rank, target.shape[0])
+        for start in range(first, end, piece_rows):
+            stop = min(start + piece_rows, end)
+            if full is not None:
+                piece = full[start:stop].to(local.device, local.dtype)
+                if owner == 0:
+                    local[start:stop].copy_(piece)
+                else:
+                    dist.send(piece.contiguous(), group_dst=owner, group=group)
+            elif me == owner:
+                dist.recv(local[start - first:stop - first], group_src=0, group=group)
 
 
 def full_state_dict(

@@ -20,12 +20,13 @@ class Block(nn.Module):
 class RotaryLM(nn.Module):
     """Tied embedding and head, and a non-persistent rotary buffer, like many LLMs."""
 
-    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3, tie: bool = True) -> None:
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3, tie: bool = True, head_bias: bool = False,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, width)
+        self.embed = nn.Embedding(vocab, width, padding_idx=padding_idx)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
+        self.head = nn.Linear(width, vocab, bias=head_bias)
         if tie:
             self.head.weight = self.embed.weight  # tied after the layers are built
         inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
@@ -223,8 +224,16 @@ def with_counter_from(path):
     return fsdp.full_state_dict(fsdp.build_sharded(WithCounter, full_checkpoint=path, strict=False))
 
 
-def large_vocabulary(vocab, tied):
-    """Embedding and head large beside a layer: their own sharding units; one SGD step."""
+def rank_batches(vocab: int) -> list[torch.Tensor]:
+    """Each rank's own batch, of its own shape (data parallel, as a DataLoader with dynamic padding gives)."""
+    generator = torch.Generator().manual_seed(vocab)
+    return [torch.randint(0, vocab, (2, 8), generator=generator), torch.randint(0, vocab, (3, 5), generator=generator)]
+
+
+def large_vocabulary(vocab, tied, chunks, **options):
+    """Embedding and head large beside a layer: their own sharding units, or gathered in chunks; each
+    rank its own batch, one SGD step."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
     import nbshard
@@ -232,14 +241,48 @@ def large_vocabulary(vocab, tied):
 
     nbshard.init_process_group()
 
-    model = fsdp.build_sharded(lambda: RotaryLM(vocab=vocab, tie=tied), seed=3)
+    model = fsdp.build_sharded(lambda: RotaryLM(vocab=vocab, tie=tied, **options), seed=3, gather_in_chunks=chunks)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(TOKENS.to(nbshard.device())).pow(2).mean().backward()
+    logits = model(rank_batches(vocab)[dist.get_rank()].to(nbshard.device()))
+    logits.pow(2).mean().backward()
     optimizer.step()
     return {
         "units": sorted(name for name, module in model.named_modules() if isinstance(module, FSDPModule) and name),
+        "chunked": sorted(name for name, module in model.named_modules() if hasattr(module, "_nbshard_rows")),
         "state": fsdp.full_state_dict(model), "tied": model.head.weight is model.embed.weight,
+        "logits": logits.detach().cpu(),
     }
+
+
+def large_vocabulary_round_trip(folder, full_path):
+    """A model whose embedding and head are gathered in chunks, trained a step, saved sharded and
+    full, and built again from each: the states it returns must all be equal."""
+    import torch.distributed as dist
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    build = lambda: RotaryLM(vocab=1001, tie=False, head_bias=True)  # noqa: E731
+    model = fsdp.build_sharded(build, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(rank_batches(1001)[dist.get_rank()]).pow(2).mean().backward()
+    optimizer.step()
+    fsdp.save_sharded(model, folder)
+    fsdp.save_full(model, full_path)
+    states = {"trained": fsdp.full_state_dict(model)}
+    states["from sharded"] = fsdp.full_state_dict(fsdp.build_sharded(build, sharded_checkpoint=folder))
+    states["from full"] = fsdp.full_state_dict(fsdp.build_sharded(build, full_checkpoint=full_path))
+    return {"states": states, "chunked": sorted(n for n, m in model.named_modules() if hasattr(m, "_nbshard_rows"))}
+
+
+def embedding_out_of_range():
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: RotaryLM(vocab=1001), seed=0)
+    model(torch.tensor([[3, 1001]]))
 
 
 LITGPT_MODEL = {"name": "pythia-14m", "n_layer": 2, "block_size": 64}

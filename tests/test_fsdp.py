@@ -80,19 +80,46 @@ def test_a_parameter_without_reset_parameters_is_named():
         nbshard.run(sharded_models.without_reset_parameters, nproc=2)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_large_embeddings_and_heads_are_sharding_units_of_their_own(tied):
-    result = nbshard.run(sharded_models.large_vocabulary, 1024, tied, nproc=2)
+@pytest.mark.parametrize(("tied", "chunks", "options"), [
+    (True, False, {}), (False, False, {}),
+    (True, True, {}), (False, True, {"head_bias": True, "padding_idx": 5}),
+], ids=["tied-units", "untied-units", "tied-chunks", "untied-bias-padding-chunks"])
+def test_large_embeddings_and_heads_are_units_of_their_own_or_gathered_in_chunks(tied, chunks, options):
+    vocab = 1001  # not a multiple of the 2 ranks: the last shard is shorter
+    result = nbshard.run(sharded_models.large_vocabulary, vocab, tied, chunks, kwargs=options, nproc=2, return_all=True)
     layers = ["blocks.0", "blocks.1", "blocks.2"]
-    assert result["units"] == sorted([*layers, "embed", "head"]), result["units"]
-    assert result["tied"] is tied
+    assert result[0]["units"] == (layers if chunks else sorted([*layers, "embed", "head"])), result[0]["units"]
+    assert result[0]["chunked"] == (["embed", "head"] if chunks else [])
+    assert result[0]["tied"] is tied
+    # One process, the ranks' batches: FSDP2 averages the ranks' gradients.
     torch.manual_seed(3)
-    model = RotaryLM(vocab=1024, tie=tied)
+    model = RotaryLM(vocab=vocab, tie=tied, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(TOKENS).pow(2).mean().backward()
+    batches = sharded_models.rank_batches(vocab)
+    logits = [model(batch) for batch in batches]
+    for rank, expected in enumerate(logits):
+        assert torch.allclose(result[rank]["logits"], expected.detach(), atol=1e-5), rank
+    (sum(rank_logits.pow(2).mean() for rank_logits in logits) / 2).backward()
     optimizer.step()
     for key, value in model.state_dict().items():
-        assert torch.allclose(result["state"][key], value, atol=1e-6), key
+        assert torch.allclose(result[0]["state"][key], value, atol=1e-6), key
+
+
+def test_chunked_embeddings_and_heads_save_and_load_sharded_and_full(tmp_path):
+    result = nbshard.run(sharded_models.large_vocabulary_round_trip, str(tmp_path / "sharded"), str(tmp_path / "full.pt"),
+                         nproc=2)
+    assert result["chunked"] == ["embed", "head"]
+    states = result["states"]
+    assert_same_state(states["from sharded"], states["trained"])
+    assert_same_state(states["from full"], states["trained"])
+    plain = RotaryLM(vocab=1001, tie=False, head_bias=True)
+    plain.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=True))  # strict: every key, every shape
+    assert_same_state(plain.state_dict(), states["trained"])
+
+
+def test_a_token_id_outside_a_chunked_embedding_is_an_index_error():
+    with pytest.raises(nbshard.JobFailed, match=r"IndexError: index out of range in self: token ids must lie in \[0, 1001\)"):
+        nbshard.run(sharded_models.embedding_out_of_range, nproc=2)
 
 
 def test_default_blocks_leaves_small_modules_to_the_root():
