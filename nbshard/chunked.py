@@ -9,9 +9,10 @@ layout, so state dicts, checkpoints, optimizers and gradient clipping treat it
 like any sharded parameter) and its module computes in chunks: each step
 gathers a few rows from every rank, uses them and lets them go; in backward the
 chunk's gradient is reduce-scattered to the rows' owners, averaged over the
-ranks and added to the parameter's ``.grad``, as FSDP2 does. Every rank keeps its own batch (data parallel), of any
-shape. Only plain ``nn.Linear`` and ``nn.Embedding`` (without ``max_norm``,
-``sparse`` or ``scale_grad_by_freq``) are taken.
+ranks and added to the parameter's ``.grad``, as FSDP2 does. Every rank keeps
+its own batch (data parallel), of any shape. Only plain ``nn.Linear`` and
+``nn.Embedding`` (without ``max_norm``, ``sparse`` or ``scale_grad_by_freq``)
+are taken.
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def shard_by_rows(modules: list[nn.Module], mesh: DeviceMesh, chunk_bytes: int,
     FSDP2 must leave alone."""
     converted: dict[int, nn.Parameter] = {}
     for module in modules:
-        assert can_chunk(module), module
+        if not can_chunk(module):
+            raise ValueError(f"only plain nn.Linear and nn.Embedding layers can be computed in chunks, not {module!r}")
         row_bytes = module.weight[0].numel() * module.weight.element_size() * mesh.size()
         rows = _Rows(module.weight.shape[0], mesh, max(1, chunk_bytes // max(row_bytes, 1)))
         for name, param in list(module.named_parameters(recurse=False)):

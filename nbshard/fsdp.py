@@ -309,11 +309,16 @@ def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set
     init_weights = _initializer(template)
     done: set[int] = set()
     uninitialized: list[str] = []  # rank 0's: parameters no initializer wrote
+    modules = [(module, {name: f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False)})
+               for prefix, module in template.named_modules()]
+    # After the last module that first owns a wanted parameter, only tied copies remain (a tied head):
+    # initializing them would change nothing but hold a whole module on rank 0.
+    first_owners = {id(targets[key]): index for index, (_, names) in reversed(list(enumerate(modules))) for key in names.values()}
+    last = max((index for target, index in first_owners.items() if target in wanted), default=-1)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for prefix, module in template.named_modules():
+        for module, names in modules[: last + 1]:
             own = dict(module.named_parameters(recurse=False))
-            names = {name: f"{prefix}.{name}" if prefix else name for name in own}
             if not any(id(targets[key]) in wanted for key in names.values()):
                 continue
             if init_weights is None and not hasattr(module, "reset_parameters"):
