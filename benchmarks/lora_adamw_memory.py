@@ -1,8 +1,8 @@
 """Per-rank peak memory of LoRA and full AdamW training steps of a litgpt Llama model sharded on 2 ranks.
 
 litgpt's own ``GPT`` (LoRA variant) with Llama-3.2-1B's shape (vocabulary 128,256, width
-2,048, tied embedding), built by nbshard.fsdp.build_sharded from scratch with the default
-sharding units. Each figure is the rank's peak anonymous resident memory (RssAnon, sampled
+2,048; litgpt keeps the head untied), built by nbshard.fsdp.build_sharded from scratch with
+the defaults (the layers as FSDP2 units, the embedding and head gathered in chunks). Each figure is the rank's peak anonymous resident memory (RssAnon, sampled
 every 2 ms) above its memory before building, during the third training step, as a fraction
 of the full model (fp32):
 
@@ -11,7 +11,12 @@ of the full model (fp32):
 - full fine-tuning with AdamW: the sharded state (parameters, gradients, two moments) is
   2.0 of the model on each of 2 ranks; target within 0.25 of it (2.25).
 
-Usage: python benchmarks/lora_adamw_memory.py [layers_lora] [layers_adamw]   (default 16 2; 0 skips a mode)
+LoRA is measured with glibc's default allocator and with a fixed 1 MiB mmap threshold
+(freed blocks go back to the system at once: what the step needs, without what glibc
+keeps); AdamW with torch's default (a for-loop over parameters on the CPU, a temporary
+of each parameter's size) and with ``fused=True``.
+
+Usage: python benchmarks/lora_adamw_memory.py [layers_lora] [layers_adamw]   (default 8 8: 1.01B; 0 skips a mode)
 Needs litgpt (pip install --no-deps litgpt).
 """
 
@@ -23,21 +28,26 @@ import sys
 import nbshard
 
 
-def measure(mode: str, layers: int) -> dict:
+def measure(mode: str, layers: int, mmap_threshold: bool, fused: bool) -> dict:
+    import ctypes
+
     import torch
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
     from peak_memory import PeakAnonymousMemory, anonymous_bytes
 
     from nbshard import fsdp
 
+    if mmap_threshold:  # glibc: every allocation of 1 MiB or more mapped alone, and unmapped when freed
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     nbshard.init_process_group()
     config = Config.from_name("Llama-3.2-1B", n_layer=layers, block_size=128, lora_r=8, lora_alpha=16,
                               lora_query=mode == "lora", lora_value=mode == "lora")
     before_build = anonymous_bytes()
-    model = fsdp.build_sharded(lambda: GPT(config))
+    with PeakAnonymousMemory() as building:
+        model = fsdp.build_sharded(lambda: GPT(config))
     if mode == "lora":
         mark_only_lora_as_trainable(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=fused or None)
     tokens = torch.randint(0, config.padded_vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     peaks = []
@@ -47,21 +57,32 @@ def measure(mode: str, layers: int) -> dict:
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad()
         peaks.append(peak.peak - before_build)
-    return {"peak": peaks[-1], "median": statistics.median(peaks), "model_bytes": full_bytes}
+    return {"peak": peaks[-1], "median": statistics.median(peaks), "model_bytes": full_bytes,
+            "build": building.peak - before_build}
 
 
-def main(layers_lora: int = 16, layers_adamw: int = 2) -> None:
+VARIANTS = {  # what each mode is measured with: glibc's default or a fixed mmap threshold; AdamW's default or fused
+    "lora": [("glibc default", False, False), ("glibc mmap threshold 1 MiB", True, False)],
+    "adamw": [("torch.optim.AdamW default (for-loop on CPU)", False, False), ("AdamW(fused=True)", False, True)],
+}
+
+
+def main(layers_lora: int = 8, layers_adamw: int = 8) -> None:
     for mode, layers, target in (("lora", layers_lora, 0.75), ("adamw", layers_adamw, 2.25)):
         if not layers:  # 0 skips that mode
             continue
-        results = nbshard.run(measure, mode, layers, nproc=2, return_all=True, show_ranks=[])
-        size = results[0]["model_bytes"]
-        print(f"{mode}: Llama-3.2-1B shape with {layers} layers, {size / 4 / 1e9:.2f}B parameters ({size / 2**30:.2f} GiB fp32)")
-        print("  third step's peak above the rank's memory before building: "
-              + ", ".join(f"{r['peak'] / 2**30:.2f} GiB = {r['peak'] / r['model_bytes']:.2f}" for r in results)
-              + f" of the model (target at most {target})", flush=True)
+        for label, mmap_threshold, fused in VARIANTS[mode]:
+            results = nbshard.run(measure, mode, layers, mmap_threshold, fused, nproc=2, return_all=True, show_ranks=[])
+            size = results[0]["model_bytes"]
+            print(f"{mode}: Llama-3.2-1B shape with {layers} layers, {size / 4 / 1e9:.2f}B parameters "
+                  f"({size / 2**30:.2f} GiB fp32), {label}")
+            print("  building (from scratch): "
+                  + ", ".join(f"{r['build'] / 2**30:.2f} GiB = {r['build'] / r['model_bytes']:.2f}" for r in results))
+            print("  third step's peak above the rank's memory before building: "
+                  + ", ".join(f"{r['peak'] / 2**30:.2f} GiB = {r['peak'] / r['model_bytes']:.2f}" for r in results)
+                  + f" of the model (target at most {target})", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 The model has an untied embedding and head as large as a few of its layers (vocabulary
 32,000), as Llama-style models do. It is built with nbshard.fsdp.build_sharded twice: with
 the layers alone as sharding units (the embedding and head then live in the root unit,
-gathered whole through forward and backward), and with the default units (the embedding and
-the head are units of their own). Each figure is the rank's peak anonymous resident memory
+gathered whole through forward and backward); with the embedding and the head as units of
+their own, gathered whole around their use (``gather_in_chunks=False``); and with the
+defaults (the embedding and the head gathered a chunk of rows at a time). Each figure is the rank's peak anonymous resident memory
 (RssAnon, sampled every 2 ms) during one forward, backward and SGD step, above its memory
 after building, as a fraction of the full model; the sharded state itself (parameters and
 gradients) is 2 x 0.5 of the model on each of 2 ranks.
@@ -60,7 +61,7 @@ def measure(units: str, width: int, depth: int) -> dict:
 
     nbshard.init_process_group()
     blocks = (lambda model: list(model.layers)) if units == "layers only" else fsdp.default_blocks
-    model = fsdp.build_sharded(lambda: build_model(width, depth), blocks=blocks)
+    model = fsdp.build_sharded(lambda: build_model(width, depth), blocks=blocks, gather_in_chunks=units == "default")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, VOCABULARY, (2, 64), generator=torch.Generator().manual_seed(0))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -79,9 +80,9 @@ def main(width: int = 1024, depth: int = 8) -> None:
     params = sum(p.numel() for p in build_model(width, depth).parameters())
     print(f"model: {params / 1e6:.0f}M parameters ({params * 4 / 2**30:.2f} GiB fp32), embedding and head "
           f"{2 * VOCABULARY * width / params:.0%} of it; 2 ranks; median of 3 steps")
-    for units in ("layers only", "default units"):
+    for units in ("layers only", "whole units", "default"):
         results = nbshard.run(measure, units, width, depth, nproc=2, return_all=True, show_ranks=[])
-        print(f"  {units:14s} step peak above the built model: "
+        print(f"  {units:12s} step peak above the built model: "
               + ", ".join(f"{r['peak_above_built'] / 2**30:.2f} GiB = {r['peak_above_built'] / r['model_bytes']:.2f}" for r in results)
               + " of the model", flush=True)
 
