@@ -60,6 +60,45 @@ def trainer_model_parallel(epochs):
     }
 
 
+def trainer_build_sharded_language_model(epochs):
+    """build_sharded in configure_model, on Lightning's mesh: the embedding and head gathered in chunks."""
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from nbshard import fsdp
+    from sharded_models import RotaryLM
+
+    class LanguageModel(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.losses = []
+
+        def configure_model(self):
+            self.lm = fsdp.build_sharded(lambda: RotaryLM(vocab=1001, tie=False), mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, index):
+            (tokens,) = batch
+            logits = self.lm(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())  # learn to copy
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+    )
+    model = LanguageModel()
+    tokens = torch.randint(0, 1001, (64, 8), generator=torch.Generator().manual_seed(0))
+    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8))
+    return {"first": model.losses[0], "last": model.losses[-1],
+            "chunked": sorted(n for n, m in model.lm.named_modules() if hasattr(m, "_nbshard_rows"))}
+
+
 def fabric_empty_init(steps):
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
