@@ -150,7 +150,9 @@ def build_sharded(
         model = build()
     template = copy.deepcopy(model)  # unsharded, on meta: for matching keys and initializing
     units = [unit if isinstance(unit, list) else [unit] for unit in blocks(model)]
-    mesh = shard_options.get("mesh") or init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = shard_options.get("mesh")
+    if mesh is None:  # what fully_shard would make: one dimension over every rank
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     shard_options = {**shard_options, "mesh": mesh}  # one mesh for every sharded parameter
     chunked = [unit for unit in units if gather_in_chunks and mesh.ndim == 1 and all(map(can_chunk, unit))]
     whole = [unit for unit in units if unit not in chunked]
