@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["can_chunk", "shard_by_rows"]
+__all__ = ["can_chunk", "row_span", "shard_by_rows"]
 
 
 def can_chunk(module: nn.Module) -> bool:
@@ -34,6 +34,13 @@ def can_chunk(module: nn.Module) -> bool:
     if type(module) is nn.Linear:
         return True
     return type(module) is nn.Embedding and module.max_norm is None and not module.sparse and not module.scale_grad_by_freq
+
+
+def row_span(rows: int, world: int, rank: int) -> range:
+    """The rows ``rank`` holds of ``rows`` split over ``world`` ranks as ``torch.chunk`` (and
+    DTensor's ``Shard(0)``, FSDP2's layout) splits them."""
+    per_rank = math.ceil(rows / world)
+    return range(min(rank * per_rank, rows), min((rank + 1) * per_rank, rows))
 
 
 class _Rows:
@@ -45,7 +52,7 @@ class _Rows:
         self.world = mesh.size()
         self.per_rank = math.ceil(rows / self.world)
         self.chunk = max(1, min(chunk_rows, self.per_rank))
-        self.local_rows = max(0, min(self.per_rank, rows - mesh.get_local_rank() * self.per_rank))
+        self.local_rows = len(row_span(rows, self.world, mesh.get_local_rank()))
 
     def chunks(self) -> range:
         return range(0, self.per_rank, self.chunk)

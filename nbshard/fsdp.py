@@ -52,7 +52,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nbshard.checkpoints import Checkpoint, match_keys, model_keys, open_checkpoint
-from nbshard.chunked import can_chunk, shard_by_rows
+from nbshard.chunked import can_chunk, row_span, shard_by_rows
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
 
@@ -373,12 +373,12 @@ def _scatter_into(target: torch.Tensor, full: torch.Tensor | None) -> None:
         whole = (full if full is not None else torch.empty(target.shape, dtype=local.dtype)).to(local.device, local.dtype)
         local.copy_(distribute_tensor(whole, mesh, target.placements, src_data_rank=0).to_local())
         return
-    group, me, per_rank = mesh.get_group(), mesh.get_local_rank(), math.ceil(target.shape[0] / mesh.size())
+    group, me = mesh.get_group(), mesh.get_local_rank()
     piece_rows = max(1, _PIECE_BYTES // max(math.prod(target.shape[1:]) * local.element_size(), 1))
     for owner in range(mesh.size()):
-        first, end = owner * per_rank, min((owner + 1) * per_rank, target.shape[0])
-        for start in range(first, end, piece_rows):
-            stop = min(start + piece_rows, end)
+        span = row_span(target.shape[0], mesh.size(), owner)
+        for start in range(span.start, span.stop, piece_rows):
+            stop = min(start + piece_rows, span.stop)
             if full is not None:
                 piece = full[start:stop].to(local.device, local.dtype)
                 if owner == 0:
@@ -386,7 +386,7 @@ def _scatter_into(target: torch.Tensor, full: torch.Tensor | None) -> None:
                 else:
                     dist.send(piece.contiguous(), group_dst=owner, group=group)
             elif me == owner:
-                dist.recv(local[start - first:stop - first], group_src=0, group=group)
+                dist.recv(local[start - span.start:stop - span.start], group_src=0, group=group)
 
 
 def full_state_dict(
