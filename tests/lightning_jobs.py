@@ -22,9 +22,23 @@ def _shard(model, mesh):
     return model
 
 
-def trainer_model_parallel(epochs):
+def _fit_model_parallel(model, loader, epochs):
+    """A CPU Trainer with ModelParallelStrategy (FSDP2) over every rank, fitted; returns the Trainer."""
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, max_epochs=epochs, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+    )
+    trainer.fit(model, loader)
+    return trainer
+
+
+def trainer_model_parallel(epochs):
+    import lightning as L
 
     class Regressor(L.LightningModule):
         def __init__(self):
@@ -44,14 +58,9 @@ def trainer_model_parallel(epochs):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-    )
     model = Regressor()
-    trainer.fit(model, torch.utils.data.DataLoader(_data(), batch_size=32))
+    trainer = _fit_model_parallel(model, torch.utils.data.DataLoader(_data(), batch_size=32), epochs)
+    world = int(os.environ["WORLD_SIZE"])
     weight = model.net[0].weight
     return {
         "first": model.losses[0], "last": model.losses[-1], "world_size": trainer.world_size,
@@ -63,7 +72,6 @@ def trainer_model_parallel(epochs):
 def trainer_build_sharded_language_model(epochs):
     """build_sharded in configure_model, on Lightning's mesh: the embedding and head gathered in chunks."""
     import lightning as L
-    from lightning.pytorch.strategies import ModelParallelStrategy
 
     from nbshard import fsdp
     from sharded_models import RotaryLM
@@ -86,15 +94,9 @@ def trainer_build_sharded_language_model(epochs):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-    )
     model = LanguageModel()
     tokens = torch.randint(0, 1001, (64, 8), generator=torch.Generator().manual_seed(0))
-    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8))
+    _fit_model_parallel(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8), epochs)
     return {"first": model.losses[0], "last": model.losses[-1],
             "chunked": sorted(n for n, m in model.lm.named_modules() if hasattr(m, "_nbshard_rows"))}
 
