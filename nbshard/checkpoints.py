@@ -3,7 +3,9 @@
 For code inside the ranks (it imports torch). ``open_checkpoint`` reads a
 ``torch.save`` file (memory-mapped; also one that wraps its state dict as
 ``{"model": ...}`` or ``{"state_dict": ...}``), a ``.safetensors`` file, a
-sharded one with its ``*.index.json``, or a Hugging Face model directory.
+sharded one with its ``*.index.json``, or a Hugging Face model directory;
+``MappedReader`` reads a ``torch.distributed.checkpoint`` directory the same
+way, through memory maps.
 ``match_keys`` asks the model itself which checkpoint key fills which of its
 parameters, by running its own ``load_state_dict`` hooks (renames such as
 litgpt's LoRA layers make) over placeholder tensors on ``meta``.
@@ -11,6 +13,7 @@ litgpt's LoRA layers make) over placeholder tensors on ``meta``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -19,8 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.futures import Future
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-__all__ = ["Checkpoint", "match_keys", "model_keys", "open_checkpoint"]
+__all__ = ["Checkpoint", "MappedReader", "match_keys", "model_keys", "open_checkpoint"]
 
 _WRAPPERS = ("state_dict", "model", "module")  # checkpoints that hold the state dict under one key
 _HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
@@ -138,3 +145,45 @@ def model_keys(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:
                 yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
+class MappedReader(FileSystemReader):
+    """A ``torch.distributed.checkpoint`` reader that maps each file and reads a stored tensor through a
+    view of its pages, so a rank copies the rows it asks for and holds no second copy beside its shard
+    (torch's own reader loads each stored tensor whole first). Items stored with a transform (e.g.
+    compressed) and non-tensor items go through torch's reader."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        mapped, other = [], []
+        for item in plan.items:
+            plain = item.type != LoadItemType.BYTE_IO and not self.storage_data[item.storage_index].transform_descriptors
+            (mapped if plain and type(self.fs) is FileSystem else other).append(item)
+        if other:
+            super().read_data(dataclasses.replace(plan, items=other), planner).wait()
+        files: dict[str, tuple[Any, torch.UntypedStorage]] = {}
+        try:
+            for item in mapped:
+                stored = self._stored_tensor(item, files)
+                target = planner.resolve_tensor(item).detach()
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    stored = stored.narrow(dim, offset, length)  # the part of the stored piece asked for
+                target.copy_(stored)
+                planner.commit_tensor(item, target)
+        finally:
+            for stream, _ in files.values():
+                stream.close()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _stored_tensor(self, item: Any, files: dict[str, tuple[Any, torch.UntypedStorage]]) -> torch.Tensor:
+        info = self.storage_data[item.storage_index]
+        if info.relative_path not in files:
+            path = self.fs.concat_path(self.path, info.relative_path)
+            files[info.relative_path] = (open(path, "rb"), torch.UntypedStorage.from_file(os.fspath(path), False, os.path.getsize(path)))
+        stream, pages = files[info.relative_path]
+        # On meta, torch.load reads only the item's header: dtype, shape and where its bytes start.
+        header = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+        start = info.offset + header.untyped_storage()._checkpoint_offset
+        data = pages[start:start + header.untyped_storage().nbytes()]
+        return torch.empty(0, dtype=header.dtype).set_(data, header.storage_offset(), header.shape, header.stride())

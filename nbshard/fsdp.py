@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from nbshard.checkpoints import Checkpoint, match_keys, model_keys, open_checkpoint
+from nbshard.checkpoints import Checkpoint, MappedReader, match_keys, model_keys, open_checkpoint
 from nbshard.chunked import can_chunk, row_span, shard_by_rows
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
@@ -216,13 +216,14 @@ def _model_shapes(model: nn.Module) -> dict[str, torch.Size]:
 
 
 def _load_sharded(model: nn.Module, path: str) -> None:
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    reader = MappedReader(path)
+    metadata = reader.read_metadata().state_dict_metadata
     found = {k: getattr(v, "size", torch.Size()) for k, v in metadata.items()}
     problem = _mismatch(_model_shapes(model), found, f"The sharded checkpoint {path}")
     if problem:
         raise ValueError(problem)
     state = get_model_state_dict(model)
-    dcp.load(state, checkpoint_id=path)  # each rank reads the pieces of its own shards
+    dcp.load(state, storage_reader=reader)  # each rank reads the pieces of its own shards
     set_model_state_dict(model, state)
 
 

@@ -77,6 +77,35 @@ def test_a_dcp_directory_passed_as_the_full_checkpoint_is_read_sharded(tmp_path)
         assert torch.equal(state[key], value), key
 
 
+def test_the_mapped_reader_reads_what_torchs_reader_reads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from nbshard.checkpoints import MappedReader
+
+    saved = {"rows": torch.randn(300, 7), "odd": torch.arange(30.0).reshape(5, 6)[:, 1:], "half": torch.randn(9).half()}
+    dcp.save({**saved, "step": 7}, checkpoint_id=str(tmp_path), no_dist=True)  # items at unaligned offsets
+    mine = {**{key: torch.zeros_like(value) for key, value in saved.items()}, "step": 0}
+    dcp.load(mine, storage_reader=MappedReader(str(tmp_path)), no_dist=True)
+    for key, value in saved.items():
+        assert torch.equal(mine[key], value), key
+    assert mine["step"] == 7  # not a tensor: read by torch's own reader
+
+
+def test_a_dcp_directory_saved_whole_or_by_another_number_of_ranks_loads_sharded(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(5)
+    model = RotaryLM()
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "whole"), no_dist=True)  # each tensor stored whole
+    state = nbshard.run(sharded_models.from_sharded_checkpoint, str(tmp_path / "whole"), nproc=2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(state[key], value), key
+    trained = nbshard.run(sharded_models.train_and_save, str(tmp_path / "two"), str(tmp_path / "full.pt"), nproc=2)
+    state = nbshard.run(sharded_models.from_sharded_checkpoint, str(tmp_path / "two"), nproc=3)
+    for key, value in trained.items():
+        assert torch.equal(state[key], value), key
+
+
 def test_a_wrapped_state_dict_and_a_directory_without_a_checkpoint(tmp_path):
     model = RotaryLM()
     torch.save({"state_dict": model.state_dict()}, tmp_path / "wrapped.ckpt")
