@@ -177,7 +177,7 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
         receiver = Receiver(key)
         write_json(run_dir.launch, {
             "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
-            "grace": job.grace, "master_port": job.master_port, "run_id": run_dir.path.name,
+            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "run_id": run_dir.path.name,
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
             "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), **spec,
         })

@@ -84,6 +84,10 @@ class JobHandle:
         self._callbacks: list[Callable[[JobHandle], Any]] = []
         self._callbacks_lock = threading.Lock()
         self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
+        self.attempts: list[dict[str, Any]] = []
+        """Once the job ended: each failed attempt that ``max_restarts`` started again, oldest first
+        (``attempt``, the ``rank`` that failed first, the ``cause``, the ``files`` folder keeping
+        its error and stack files)."""
         self._telemetry = Telemetry(nproc)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
         self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
@@ -282,6 +286,8 @@ class JobHandle:
         """One line: what runs, how it stands, for how long."""
         elapsed = (self.ended or time.time()) - self.started
         text = f"{self.job.label} on {self.nproc} rank{'s' * (self.nproc > 1)}: {self.status} after {elapsed:.0f} s"
+        if self.attempts:
+            text += f" (restarted {len(self.attempts)}x)"
         if self._exception is not None:
             text += f" ({str(self._exception).splitlines()[0]})"
         return text + "".join(f"; {note}" for note in self.notes)
@@ -370,6 +376,7 @@ class JobHandle:
             with OpenedDir(self._paths.path, self._identity) as files:
                 outcome = read_outcome(files, self._paths)  # read once: for the drop tally and the result
                 self._note_unreported_drops(outcome)
+                self.attempts = list((outcome or {}).get("attempts", []))
                 self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))

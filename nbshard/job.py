@@ -93,6 +93,10 @@ class Job:
     """Port for the rendezvous; None picks a free one. A taken port is retried."""
     sample_interval: float | None = 1.0
     """Seconds between memory samples sent by each rank; None turns sampling off."""
+    max_restarts: int = 0
+    """How many times a failed job starts again, as torchrun's ``--max-restarts``: every rank is
+    stopped and all start afresh with ``TORCHELASTIC_RESTART_COUNT`` one higher (a job that
+    saves checkpoints resumes from its last one). Cancel, timeout and a full disk never restart."""
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -150,6 +154,8 @@ def _validate(job: Job) -> None:
         isinstance(job.master_port, int) and 0 < job.master_port < 65536
     ):
         raise ValueError(f"master_port must be a TCP port number (1-65535), got {job.master_port!r}")
+    if isinstance(job.max_restarts, bool) or not isinstance(job.max_restarts, int) or job.max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number of restarts (0 for none), got {job.max_restarts!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +204,14 @@ class RunDir:
     def error(self, rank: int) -> Path:
         return self.path / f"error-{rank}.json"
 
+    def torchelastic_error(self, rank: int) -> Path:
+        """The ``TORCHELASTIC_ERROR_FILE`` of a rank (torch's ``@record`` writes it)."""
+        return self.path / f"torchelastic-error-{rank}.json"
+
+    def attempt(self, restart_count: int) -> Path:
+        """Where the error and stack files of an attempt that was restarted are kept."""
+        return self.path / f"attempt-{restart_count}"
+
     def notebook_main(self, rank: int) -> Path:
         """The notebook's classes and functions, for spawn-started children of a rank."""
         return self.path / f"main-{rank}.pkl"
@@ -233,6 +247,7 @@ def rank_environment(
     run_id: str,
     run_dir: RunDir,
     restart_count: int = 0,
+    max_restarts: int = 0,
     master_addr: str = "127.0.0.1",
 ) -> dict[str, str]:
     """The environment of one rank: ``base_env`` plus what torchrun would set."""
@@ -251,9 +266,9 @@ def rank_environment(
         MASTER_PORT=str(master_port),
         TORCHELASTIC_RUN_ID=run_id,
         TORCHELASTIC_RESTART_COUNT=str(restart_count),
-        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
         TORCHELASTIC_USE_AGENT_STORE="False",
-        TORCHELASTIC_ERROR_FILE=str(run_dir.path / f"torchelastic-error-{rank}.json"),
+        TORCHELASTIC_ERROR_FILE=str(run_dir.torchelastic_error(rank)),
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if nproc > 1:

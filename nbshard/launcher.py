@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbshard import attempts
 from nbshard.errors import signal_name
 from nbshard.files import read_json, write_json
 from nbshard.forking import ForkedProcess, fork_rank
@@ -132,6 +133,8 @@ class Launcher:
         self.term_at = self.kill_at = float("inf")
         self.signalled: str | None = None
         self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
+        self.final = False  # cancelled, or the kernel is gone: a failure now is not restarted
+        self.attempts: list[dict[str, Any]] = []  # the failed attempts that were restarted
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.kernel_pidfd: int | None = None
@@ -143,6 +146,7 @@ class Launcher:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = "cancelled"
+        self.final = True
 
     # -- messages ---------------------------------------------------------
 
@@ -182,14 +186,15 @@ class Launcher:
 
     # -- ranks ------------------------------------------------------------
 
-    def start_ranks(self, port: int, attempt: int) -> None:
+    def start_ranks(self, port: int, restart_count: int) -> None:
         nproc = self.spec["nproc"]
         for rank in range(nproc):
             for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
                 stale.unlink(missing_ok=True)
             env = rank_environment(
                 os.environ, rank=rank, nproc=nproc, master_port=port,
-                run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=attempt,
+                run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=restart_count,
+                max_restarts=self.spec.get("max_restarts", 0),
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
             proc = Rank(rank, self.start_rank(env), self.run_dir.log(rank))
@@ -328,6 +333,7 @@ class Launcher:
 
     def kernel_gone(self) -> None:
         """Nobody waits for this run any more: stop every rank, without stacks, quickly."""
+        self.final = True
         if self.kernel_pidfd is not None:
             self.selector.unregister(self.kernel_pidfd)
             os.close(self.kernel_pidfd)
@@ -340,8 +346,10 @@ class Launcher:
             self.selector.unregister(fd)
             self.kernel_gone()
         elif KILL in data:
+            self.final = True
             self.request_stop("cancelled", stacks=False, grace=0)
         elif CANCEL in data:
+            self.final = True
             self.request_stop("cancelled", stacks=True, grace=self.spec["grace"])
 
     # -- the loop ---------------------------------------------------------
@@ -388,18 +396,49 @@ class Launcher:
     def run(self) -> dict[str, Any]:
         timeout = self.spec["timeout"]
         deadline = time.monotonic() + timeout if timeout else float("inf")
-        port = self.spec["master_port"]
+        fixed_port = self.spec["master_port"]
         if self.stop_reason is not None:  # the kernel was gone before any rank started
-            return self.outcome(port or 0)
-        for attempt in range(PORT_ATTEMPTS):
-            port = pick_port(port if attempt == 0 else None)
-            self.start_ranks(port, attempt)
+            return self.outcome(fixed_port or 0)
+        port, restart_count, port_retries = pick_port(fixed_port), 0, 0
+        while True:
+            self.start_ranks(port, restart_count)
             self.supervise(deadline)
-            if attempt + 1 == PORT_ATTEMPTS or not self.port_was_taken():
-                break
-            self.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
+            if port_retries + 1 < PORT_ATTEMPTS and self.port_was_taken():
+                port_retries += 1
+                self.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
+                port = pick_port(None)
+            elif self.may_restart():
+                self.note(self.keep_attempt(restart_count))
+                port = pick_port(fixed_port)
+            else:
+                return self.outcome(port)
             self.reset_for_retry()
-        return self.outcome(port)
+            restart_count += 1
+
+    def may_restart(self) -> bool:
+        """A failure (not a cancel, a timeout or a full disk) with restarts left, the kernel waiting."""
+        failed = self.stop_reason == "failed" or (self.stop_reason is None and not all(p.ok for p in self.ranks))
+        return (
+            failed and not self.final and self.storage_error is None
+            and len(self.attempts) < self.spec.get("max_restarts", 0) and self.kernel_alive()
+        )
+
+    def keep_attempt(self, restart_count: int) -> str:
+        """Set a failed attempt's files aside, remember its cause, mark it in each rank's log;
+        returns what to tell the kernel."""
+        folder = attempts.set_aside(self.run_dir, (p.rank for p in self.ranks), restart_count)
+        first = next((p for p in self.ranks if p.rank == self.first_failure), None)
+        why = "(no rank reported why)" if first is None else attempts.cause(
+            folder / self.run_dir.error(first.rank).name, first.rank, first.returncode
+        )
+        self.attempts.append({"attempt": len(self.attempts) + 1, "rank": self.first_failure, "cause": why, "files": str(folder)})
+        text = (
+            f"attempt {len(self.attempts)} failed {why}; starting every rank again "
+            f"(restart {len(self.attempts)} of {self.spec['max_restarts']}, TORCHELASTIC_RESTART_COUNT={restart_count + 1})"
+        )
+        for proc in self.ranks:
+            self.to_log(proc, f"\n[nbshard] {text}\n".encode())
+        return text
 
     def reset_for_retry(self) -> None:
         for proc in self.ranks:
@@ -421,6 +460,7 @@ class Launcher:
             "first_failure": self.first_failure,
             "master_port": port,
             "notes": self.notes,
+            "attempts": self.attempts,
             "dropped_lines": {str(rank): count for rank, count in self.dropped_total.items()},
             "lines_sent": {str(rank): count for rank, count in self.lines_sent.items()},
             "ranks": [

@@ -106,6 +106,8 @@ class ShardMagics(Magics):
     @argument("--backend", default="subprocess", help="how ranks start (default: subprocess, local child processes)")
     @argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
     @argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL when stopping")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="start every rank again after a failure, up to N times (TORCHELASTIC_RESTART_COUNT counts them)")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for the ranks; repeatable")
     @argument("--push", action="append", default=[], metavar="NAMES", help="names to ship besides those detected (comma-separated)")
     @argument("--pull", action="append", default=[], metavar="NAMES", help="names to bring back into the notebook (comma-separated)")
@@ -131,6 +133,9 @@ class ShardMagics(Magics):
         shell = self.shell
         _check_plain_python(shell, cell)
         pull = _names(args.pull)
+        if args.session and args.max_restarts:
+            raise UsageError("%%shard_train: --max-restarts starts a failed job's ranks again; a session keeps its "
+                             "ranks between cells (after a failure, %shard_session NAME --restart)")
         running = _session_of(args) if args.session else None
         job = self._job(args, cell, pull, running.names if running is not None else set())
         try:
@@ -180,7 +185,7 @@ class ShardMagics(Magics):
                         "pull": pull, "pull_all": args.pull_all},
                 nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=_ranks(args.show_ranks),
+                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts,
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:

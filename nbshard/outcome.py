@@ -63,6 +63,15 @@ def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, nproc: int) ->
     return values
 
 
+def _earlier_attempts(outcome: dict[str, Any]) -> str:
+    """The failed attempts before this one, for the error's message ('' without restarts)."""
+    attempts = outcome.get("attempts") or []
+    if not attempts:
+        return ""
+    causes = "; ".join(f"attempt {a['attempt']} failed {a['cause']}" for a in attempts)
+    return f" This was attempt {len(attempts) + 1}, after {len(attempts)} restart{'s' * (len(attempts) > 1)}: {causes}."
+
+
 def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:
     """The launcher's ``outcome.json``, or None when it ended without writing one."""
     return files.read_json(run_dir.outcome) if files.exists(run_dir.outcome) else None
@@ -118,19 +127,20 @@ def collect(
             return None, failed
         return (values if return_all else values[0]), None
     failures = _rank_failures(files, run_dir, outcome["ranks"])
+    earlier = _earlier_attempts(outcome)
     exception: JobError
     if status == "timed_out":
         exception = JobTimedOut(
             f"The job ran past its timeout of {timeout:g} s and was stopped. Where each rank was "
             "is below (every thread's stack is at the end of its log). If it was still making "
-            "progress, raise timeout=; if a rank waits in a collective, another rank never joined it.",
+            f"progress, raise timeout=; if a rank waits in a collective, another rank never joined it.{earlier}",
             failures, where,
         )
     elif status == "cancelled":
-        exception = JobCancelled("The job was cancelled and its ranks were stopped.", failures, where)
+        exception = JobCancelled(f"The job was cancelled and its ranks were stopped.{earlier}", failures, where)
     else:
         first = f"on rank {failures[0].rank}" if failures else "(no rank reported why)"
-        exception = JobFailed(f"The job failed {first}.", failures, where)
+        exception = JobFailed(f"The job failed {first}.{earlier}", failures, where)
     if failures and failures[0].exc_type is not None:
         exception.__cause__ = remote_exception(failures[0])
     return None, exception

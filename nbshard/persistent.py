@@ -203,6 +203,11 @@ class Session:
                 f"not per call; a call takes {', '.join(sorted(_CALL_OPTIONS))}"
             )
         if isinstance(target, Job):
+            if target.max_restarts:
+                raise TypeError(
+                    "max_restarts starts a failed job's ranks again, but a session keeps its ranks between "
+                    "calls: drop max_restarts here, or call session.restart() after a failure"
+                )
             options = {k: getattr(target, k) for k in _CALL_OPTIONS} | options
             target, args = target.fn, target.args
         unknown = set(options) - _CALL_OPTIONS

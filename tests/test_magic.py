@@ -150,6 +150,8 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train\ndef broken(:\n    pass", "syntax error in cell line 2"),
         ("%%shard_train --push nothere\npass", "--push nothere: no such name"),
         ("%%shard_train --push unused_lock\npass", "Cannot ship the notebook's 'unused_lock'"),
+        ("%%shard_train --max-restarts -1\npass", "max_restarts must be a whole number of restarts"),
+        ("%%shard_train --session s --max-restarts 1\npass", "a session keeps its ranks between cells"),
     ],
 )
 def test_bad_input_is_a_usage_error_and_starts_nothing(notebook, runs_dir, cell, message):
@@ -159,10 +161,23 @@ def test_bad_input_is_a_usage_error_and_starts_nothing(notebook, runs_dir, cell,
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
 
 
+def test_max_restarts_starts_a_failed_cell_again_and_says_why(notebook):
+    result = notebook.execute(
+        "%%shard_train --nproc 2 --max-restarts 1 --pull attempt\n"
+        "import os\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "if attempt == 0 and rank == 1:\n"
+        "    raise RuntimeError('lost a node')\n"
+    )
+    assert result.status == "ok", result.stderr + result.traceback
+    assert "attempt 1 failed on rank 1: RuntimeError: lost a node; starting every rank again" in result.stdout
+    assert notebook.execute("print(attempt)").stdout.strip() == "1"
+
+
 def test_help_lists_the_options(notebook):
     payload = notebook.execute("%%shard_train?").reply["payload"]
     text = payload[0]["data"]["text/plain"]
-    assert all(option in text for option in ("--nproc", "--pull", "--pull-all", "--push", "--noblock", "--gpus"))
+    assert all(option in text for option in ("--nproc", "--pull", "--pull-all", "--push", "--noblock", "--gpus", "--max-restarts"))
 
 
 def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):

@@ -1,0 +1,38 @@
+"""A failed attempt that ``max_restarts`` starts again: its files set aside, its cause in one line.
+
+For the launcher: the next attempt's error and stack files must not mix with this one's, and the
+kernel shows each attempt's cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from nbshard.errors import signal_name
+from nbshard.files import read_json
+from nbshard.job import RunDir
+
+__all__ = ["cause", "set_aside"]
+
+
+def set_aside(run_dir: RunDir, ranks: Iterable[int], restart_count: int) -> Path:
+    """Move each rank's error, stack and torchelastic error files into the attempt's folder."""
+    folder = run_dir.attempt(restart_count)
+    folder.mkdir(mode=0o700)
+    for rank in ranks:
+        for path in (run_dir.error(rank), run_dir.stacks(rank), run_dir.torchelastic_error(rank)):
+            with contextlib.suppress(FileNotFoundError):
+                path.rename(folder / path.name)
+    return folder
+
+
+def cause(error_file: Path, rank: int, returncode: int | None) -> str:
+    """'on rank R: Type: first line of the message', or how the rank exited."""
+    with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
+        error = read_json(error_file)
+        message = (str(error["message"]).strip().splitlines() or [""])[0][:200]
+        return f"on rank {rank}: {error['exc_type'].rsplit('.', 1)[-1]}{': ' + message if message else ''}"
+    code = returncode or 0
+    return f"on rank {rank}: " + (f"killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}")
