@@ -152,8 +152,8 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
 
 def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:
     """Start the launcher of ``job`` (its ``payload`` written as the run's job file; ``spec``:
-    more of what the launcher reads, e.g. for a session); returns (nproc, run dir, launcher,
-    the socket its messages arrive on)."""
+    more of what the launcher reads, e.g. for a session); returns (the number of ranks on all
+    nodes, run dir, launcher, the socket its messages arrive on)."""
     if sys.platform != "linux":
         raise RuntimeError(
             f"nbshard runs jobs on Linux only (this is {sys.platform}): it relies on Linux "
@@ -177,7 +177,7 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
         receiver = Receiver(key)
         write_json(run_dir.launch, {
             "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
-            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "run_id": run_dir.path.name,
+            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "nnodes": job.nnodes, "run_id": run_dir.path.name,
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
             "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), **spec,
         })
@@ -193,7 +193,7 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
                 "there, or set NBSHARD_RUNS_DIR (or nbshard.settings.runs_dir) to another filesystem."
             )) from error
         raise
-    return nproc, run_dir, launcher, receiver
+    return nproc * job.nnodes, run_dir, launcher, receiver
 
 
 def run(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:

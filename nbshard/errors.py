@@ -76,8 +76,13 @@ class RankFailure:
     """The rank's Python stacks (faulthandler) taken just before it was stopped."""
     notes: tuple[str, ...] = ()
     """The exception's notes, and nbshard's hint when it knows the likely cause."""
+    lost: str = ""
+    """Why the node that ran this rank was lost (its machine, its launcher or its engine's
+    worker gone), when that is what ended the rank."""
 
     def describe(self) -> str:
+        if self.lost:
+            return f"rank {self.rank}: {self.lost}"
         if self.exc_type is not None:
             raised = f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
             return "\n    ".join([raised, *self.notes])

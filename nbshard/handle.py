@@ -151,6 +151,8 @@ class JobHandle:
                 "(nbshard.settings.keep_runs keeps that many of the newest finished runs) or deleted."
             )
         path = self._paths.log(rank)
+        if not path.exists() and self.job.nnodes > 1:  # a node on this machine writes it until the run ends
+            path = self._paths.node(rank // (self.nproc // self.job.nnodes)).log(rank)
         return path.read_bytes().decode(errors="replace") if path.exists() else ""
 
     def stacks(self) -> dict[int, str]:

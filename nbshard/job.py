@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "CANCEL",
     "KILL",
+    "RANK_FILES",
     "STACK_DUMP_WAIT",
     "Job",
     "RunDir",
@@ -47,6 +48,7 @@ TORCHRUN_VARIABLES = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
+    "NODE_RANK",  # not torchrun's: Lightning's and accelerate's name for GROUP_RANK, set alike
 )
 
 # The kernel's words to a launcher (bytes on its stdin), and how long ranks get to dump their
@@ -71,7 +73,11 @@ class Job:
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     nproc: int | None = None
-    """Number of ranks; None means one per visible GPU, or 1 without GPUs."""
+    """Number of ranks (on each node); None means one per visible GPU, or 1 without GPUs."""
+    nnodes: int = 1
+    """Number of nodes, each running ``nproc`` ranks, as torchrun's ``--nnodes``: ranks get the
+    multi-node environment (global ``RANK``, ``GROUP_RANK``, ...). With ``backend="subprocess"``
+    every node runs on this machine (as torchrun's nodes can); an engine backend spreads them."""
     gpus: Sequence[int | str] | None = None
     """GPU indices or UUIDs the ranks see (their CUDA_VISIBLE_DEVICES); None
     keeps the kernel's setting, ``()`` hides every GPU."""
@@ -118,6 +124,8 @@ def _validate(job: Job) -> None:
         isinstance(job.nproc, bool) or not isinstance(job.nproc, int) or job.nproc < 1
     ):
         raise ValueError(f"nproc must be a positive integer, got {job.nproc!r}")
+    if isinstance(job.nnodes, bool) or not isinstance(job.nnodes, int) or job.nnodes < 1:
+        raise ValueError(f"nnodes must be a positive integer, got {job.nnodes!r}")
     if job.gpus is not None:
         if isinstance(job.gpus, (str, bytes)) or not isinstance(job.gpus, Sequence):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs, e.g. [0, 1]; got {job.gpus!r}")
@@ -156,6 +164,16 @@ def _validate(job: Job) -> None:
         raise ValueError(f"master_port must be a TCP port number (1-65535), got {job.master_port!r}")
     if isinstance(job.max_restarts, bool) or not isinstance(job.max_restarts, int) or job.max_restarts < 0:
         raise ValueError(f"max_restarts must be a whole number of restarts (0 for none), got {job.max_restarts!r}")
+    if job.max_restarts and job.nnodes > 1:
+        raise ValueError(
+            "max_restarts with nnodes > 1 is not supported yet: restart a multi-node job from the notebook "
+            "(it resumes from its checkpoint as it would after a restart), or use one node"
+        )
+
+
+# The files a run directory holds for each rank (named by its global rank), which a node's
+# directory hands to the run's when a multi-node run ends.
+RANK_FILES = ("rank-", "result-", "error-", "stacks-", "metrics-", "torchelastic-error-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +226,10 @@ class RunDir:
         """The ``TORCHELASTIC_ERROR_FILE`` of a rank (torch's ``@record`` writes it)."""
         return self.path / f"torchelastic-error-{rank}.json"
 
+    def node(self, node_rank: int) -> RunDir:
+        """The run directory of one node's launcher in a multi-node run."""
+        return RunDir(self.path / "nodes" / f"node-{node_rank}")
+
     def attempt(self, restart_count: int) -> Path:
         """Where the error and stack files of an attempt that was restarted are kept."""
         return self.path / f"attempt-{restart_count}"
@@ -249,18 +271,23 @@ def rank_environment(
     restart_count: int = 0,
     max_restarts: int = 0,
     master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    nnodes: int = 1,
 ) -> dict[str, str]:
-    """The environment of one rank: ``base_env`` plus what torchrun would set."""
+    """The environment of one rank: ``base_env`` plus what torchrun would set. ``rank`` is the
+    rank on its node (``LOCAL_RANK``), ``nproc`` the ranks per node."""
+    global_rank, world_size = node_rank * nproc + rank, nnodes * nproc
     env = dict(base_env)
     env.update(
-        RANK=str(rank),
+        RANK=str(global_rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0",
-        GROUP_WORLD_SIZE="1",
-        ROLE_RANK=str(rank),
-        ROLE_WORLD_SIZE=str(nproc),
+        GROUP_RANK=str(node_rank),
+        NODE_RANK=str(node_rank),
+        GROUP_WORLD_SIZE=str(nnodes),
+        ROLE_RANK=str(global_rank),
+        ROLE_WORLD_SIZE=str(world_size),
         ROLE_NAME="default",
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
@@ -268,7 +295,7 @@ def rank_environment(
         TORCHELASTIC_RESTART_COUNT=str(restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
         TORCHELASTIC_USE_AGENT_STORE="False",
-        TORCHELASTIC_ERROR_FILE=str(run_dir.torchelastic_error(rank)),
+        TORCHELASTIC_ERROR_FILE=str(run_dir.torchelastic_error(global_rank)),
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if nproc > 1:

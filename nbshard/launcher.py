@@ -15,7 +15,6 @@ import os
 import select
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from nbshard.forking import ForkedProcess, fork_rank
 from nbshard.fresh import cold_command
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
 from nbshard.lines import LineSplitter
+from nbshard.ports import pick_port
 from nbshard.reaper import adopt_orphans, kill_leftovers
 from nbshard.wire import Sender
 
@@ -48,18 +48,6 @@ EXITED = "exited"  # the selector's mark for a rank's pidfd, with the rank: (EXI
 def _readable(fd: int) -> bool:
     """Whether ``fd`` (a pidfd: its process has exited) is readable now."""
     return bool(select.select([fd], [], [], 0)[0])
-
-
-def pick_port(preferred: int | None = None) -> int:
-    """``preferred`` when it is free, else a free port chosen by the OS."""
-    for port in (preferred, 0) if preferred else (0,):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
-            return probe.getsockname()[1]
-    raise RuntimeError("no free TCP port on this machine")
 
 
 class Rank:
@@ -187,14 +175,16 @@ class Launcher:
     # -- ranks ------------------------------------------------------------
 
     def start_ranks(self, port: int, restart_count: int) -> None:
-        nproc = self.spec["nproc"]
-        for rank in range(nproc):
+        nproc, node_rank = self.spec["nproc"], self.spec.get("node_rank", 0)
+        for local_rank in range(nproc):
+            rank = node_rank * nproc + local_rank
             for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
                 stale.unlink(missing_ok=True)
             env = rank_environment(
-                os.environ, rank=rank, nproc=nproc, master_port=port,
+                os.environ, rank=local_rank, nproc=nproc, master_port=port,
                 run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=restart_count,
-                max_restarts=self.spec.get("max_restarts", 0),
+                max_restarts=self.spec.get("max_restarts", 0), node_rank=node_rank,
+                nnodes=self.spec.get("nnodes", 1), master_addr=self.spec.get("master_addr", "127.0.0.1"),
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
             proc = Rank(rank, self.start_rank(env), self.run_dir.log(rank))
@@ -399,11 +389,12 @@ class Launcher:
         fixed_port = self.spec["master_port"]
         if self.stop_reason is not None:  # the kernel was gone before any rank started
             return self.outcome(fixed_port or 0)
-        port, restart_count, port_retries = pick_port(fixed_port), 0, 0
+        one_node = self.spec.get("nnodes", 1) == 1  # else the port is node 0's, chosen for every node
+        port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, 0, 0
         while True:
             self.start_ranks(port, restart_count)
             self.supervise(deadline)
-            if port_retries + 1 < PORT_ATTEMPTS and self.port_was_taken():
+            if one_node and port_retries + 1 < PORT_ATTEMPTS and self.port_was_taken():
                 port_retries += 1
                 self.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
                 port = pick_port(None)
@@ -505,7 +496,9 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
         wait = FINAL_FLUSH if launcher.kernel_alive() else END_SEND_WAIT
         for rank in list(launcher.dropped):
             launcher.send_dropped_notice(rank, wait=wait)
-        launcher.send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=wait)
+        # One node of many: the kernel's side of the nodes says when the whole run ended.
+        kind = "end" if launcher.spec.get("nnodes", 1) == 1 else "node_end"
+        launcher.send({"kind": kind, "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=wait)
     finally:
         launcher.close()
     return 0

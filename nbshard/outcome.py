@@ -32,6 +32,9 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]
         if entry["ok"]:
             continue
         rank, code = entry["rank"], entry["exitcode"]
+        if entry.get("lost"):
+            failures.append(RankFailure(rank=rank, time=entry["ended"], lost=entry["lost"]))
+            continue
         error_file = run_dir.error(rank)
         if files.exists(error_file) and not entry["stopped"]:
             failures.append(RankFailure.from_error_file(files.read_json(error_file)))
@@ -46,8 +49,9 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]
                 stacks=entry["stacks"],
             )
         )
-    # The earliest real failure leads; the ranks nbshard stopped follow in rank order.
-    return sorted(failures, key=lambda f: (f.stopped, 0.0 if f.stopped else f.time, f.rank))
+    # A lost node's ranks lead (their peers' errors follow from it), then the earliest real
+    # failure; the ranks nbshard stopped follow in rank order.
+    return sorted(failures, key=lambda f: (not f.lost, f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
 def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, nproc: int) -> list[Any]:
@@ -138,6 +142,12 @@ def collect(
         )
     elif status == "cancelled":
         exception = JobCancelled(f"The job was cancelled and its ranks were stopped.{earlier}", failures, where)
+    elif outcome.get("lost_nodes"):
+        lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome["lost_nodes"].items())
+        exception = JobFailed(
+            f"The job failed because {lost}. The errors of the other nodes' ranks follow from it "
+            "(a peer gone from a collective).", failures, where,
+        )
     else:
         first = f"on rank {failures[0].rank}" if failures else "(no rank reported why)"
         exception = JobFailed(f"The job failed {first}.{earlier}", failures, where)

@@ -24,7 +24,8 @@ from typing import Any
 from nbshard.errors import likely_cause, signal_name
 from nbshard.files import write_json
 from nbshard.job import RunDir
-from nbshard.launcher import FAILURE_GRACE, Launcher, Rank, pick_port
+from nbshard.launcher import FAILURE_GRACE, Launcher, Rank
+from nbshard.ports import pick_port
 from nbshard.session_rank import PIPES_ENV
 
 __all__ = ["SessionLauncher"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from nbshard.display import LinePrinter, TailView
-from nbshard.launcher import pick_port
+from nbshard.ports import pick_port
 from nbshard.lines import LineSplitter
 
 

@@ -9,13 +9,17 @@ import site
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from nbshard.backends.nodes import END_SEND_WAIT, NodeGroup, node_outcome
 from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
-from nbshard.files import read_json
+from nbshard.files import read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
-from nbshard.job import RunDir, rank_environment
+from nbshard.job import RANK_FILES, RunDir, rank_environment
+from nbshard.ports import pick_port
+from nbshard.wire import Sender
 
-__all__ = ["LauncherProcess", "start_local"]
+__all__ = ["LauncherProcess", "LocalNode", "start_local"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -89,9 +93,67 @@ def _start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherPr
 
 def start_local(
     run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None
-) -> LauncherProcess | WarmLauncher:
+) -> LauncherProcess | WarmLauncher | NodeGroup:
     """The launcher of ``run_dir``: forked by the warm process when ``preload`` is given (the
-    modules it imports) and it can, else a fresh interpreter; ``.note`` says why it is cold."""
+    modules it imports) and it can, else a fresh interpreter; ``.note`` says why it is cold.
+    A multi-node run gets one launcher per node, all on this machine, behind a ``NodeGroup``."""
+    spec = read_json(run_dir.launch)
+    if spec.get("nnodes", 1) > 1:
+        return _start_nodes(run_dir, spec, env, cwd, preload)
+    return _start_node(run_dir, env, cwd, preload)
+
+
+class LocalNode:
+    """One node of a multi-node run on this machine: its launcher and its run directory."""
+
+    def __init__(self, launcher: LauncherProcess | WarmLauncher, node_dir: RunDir) -> None:
+        self.launcher, self.node_dir = launcher, node_dir
+        self.poll, self.request, self.kill, self.close = launcher.poll, launcher.request, launcher.kill, launcher.close
+
+    def outcome(self) -> dict[str, Any] | None:
+        return node_outcome(self.node_dir)
+
+    def lost(self) -> str | None:
+        return None  # a launcher on this machine is lost when it exits without an outcome
+
+    def bring_home(self, run_dir: RunDir) -> None:
+        for path in self.node_dir.path.iterdir():
+            if path.name.startswith(RANK_FILES):
+                os.replace(path, run_dir.path / path.name)
+
+
+def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:
+    """Each node a launcher of its own, in its own directory under the run's; node 0's port."""
+    port = pick_port(spec["master_port"])
+    nodes = []
+    try:
+        for node_rank in range(spec["nnodes"]):
+            node_dir = run_dir.node(node_rank)
+            node_dir.path.mkdir(parents=True, mode=0o700)
+            write_atomic(node_dir.key, run_dir.key.read_bytes())
+            if run_dir.job.exists():
+                os.link(run_dir.job, node_dir.job)
+            write_json(node_dir.launch, {**spec, "node_rank": node_rank, "master_port": port})
+            nodes.append(LocalNode(_start_node(node_dir, env, cwd, preload), node_dir))
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    key = run_dir.key.read_bytes()
+
+    def send_end(message: dict[str, Any]) -> None:
+        sender = Sender(spec["address"], key)
+        sender.send(message, wait=END_SEND_WAIT)
+        sender.close()
+
+    group = NodeGroup(run_dir, nodes, spec["nproc"], send_end)
+    group.note = next((node.launcher.note for node in nodes if node.launcher.note), None)
+    return group
+
+
+def _start_node(
+    run_dir: RunDir, env: Mapping[str, str], cwd: str, preload: Sequence[str] | None
+) -> LauncherProcess | WarmLauncher:
     env = _importable_env(env)
     if preload is None:
         return _start_cold(run_dir, env, cwd)

@@ -1,0 +1,172 @@
+"""The launchers of a multi-node run, seen from the kernel as one launcher.
+
+Every node runs the one launcher there is, for its own ranks. ``NodeGroup`` supervises them
+from the kernel: the first node that ends without success stops the others, a node that is
+lost (its launcher gone without an outcome, or an engine that says it died) is a failure of
+its own that ranks ahead of the errors it causes elsewhere, and when every node has ended
+their files come home and their outcomes merge into the run's ``outcome.json``, so the job
+handle reads a multi-node run as it reads any other.
+
+A node is any object with ``poll``, ``request``, ``kill``, ``close`` (the node-launcher
+interface), ``outcome()`` (its launcher's outcome, or None), ``lost()`` (why it is lost, or
+None) and ``bring_home(run_dir)`` (move its ranks' files into the kernel's run directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from nbshard.files import read_json, write_json
+from nbshard.job import CANCEL, KILL, RunDir
+
+__all__ = ["Node", "NodeGroup", "merge_outcomes"]
+
+POLL = 0.05
+END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
+
+
+class Node(Protocol):
+    def poll(self) -> int | None: ...
+    def request(self, command: bytes) -> None: ...
+    def kill(self) -> None: ...
+    def close(self) -> None: ...
+    def outcome(self) -> dict[str, Any] | None: ...
+    def lost(self) -> str | None: ...
+    def bring_home(self, run_dir: RunDir) -> None: ...
+
+
+class NodeGroup:
+    """The nodes of one run behind the launcher interface (``poll``, ``wait``, ``request``,
+    ``kill``, ``close``). ``send_end(message)`` tells the kernel's socket that the run ended."""
+
+    note: str | None = None
+
+    def __init__(self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any) -> None:
+        self.nodes = list(nodes)
+        self._run_dir = run_dir
+        self._nproc = nproc
+        self._send_end = send_end
+        self._asked: bytes | None = None  # what the kernel asked for (a cancel, a kill)
+        self._stopping_for: int | None = None  # the node whose end stopped the others
+        self._ended: dict[int, float] = {}
+        self._lost: dict[int, str] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._supervise, name=f"nbshard-nodes-{run_dir.path.name}", daemon=True)
+        self._thread.start()
+
+    # -- the launcher interface --------------------------------------------
+
+    def poll(self) -> int | None:
+        return 0 if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired("nbshard nodes", timeout or 0)
+        return 0
+
+    def request(self, command: bytes) -> None:
+        self._asked = command
+        for node in self.nodes:
+            node.request(command)
+
+    def kill(self) -> None:
+        self._asked = KILL
+        for node in self.nodes:
+            node.kill()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.close()
+
+    # -- supervising -------------------------------------------------------
+
+    def _supervise(self) -> None:
+        try:
+            while len(self._ended) < len(self.nodes):
+                for index, node in enumerate(self.nodes):
+                    if index not in self._ended:
+                        self._check(index, node)
+                time.sleep(POLL)
+            for node in self.nodes:
+                with contextlib.suppress(Exception):
+                    node.bring_home(self._run_dir)
+            outcome = merge_outcomes(
+                [None if i in self._lost else node.outcome() for i, node in enumerate(self.nodes)],
+                self._lost, self._ended, self._nproc, cancelled=self._asked is not None,
+            )
+            write_json(self._run_dir.outcome, outcome)
+            self._send_end({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]})
+        finally:
+            self._done.set()
+
+    def _check(self, index: int, node: Node) -> None:
+        why = node.lost()
+        if why is None and node.poll() is None:
+            return
+        self._ended[index] = time.time()
+        if why is None and node.outcome() is None:
+            why = f"its launcher exited (code {node.poll()}) without saying how the job ended"
+        if why is not None:
+            self._lost[index] = why
+            node.kill()
+        failed = why is not None or (node.outcome() or {}).get("status") != "succeeded"
+        if failed and self._stopping_for is None and self._asked is None:
+            self._stopping_for = index
+            for other, peer in enumerate(self.nodes):
+                if other not in self._ended:
+                    peer.request(CANCEL)  # with stacks: where each rank was when another node failed
+
+
+def merge_outcomes(
+    outcomes: Sequence[dict[str, Any] | None], lost: dict[int, str], ended: dict[int, float],
+    nproc: int, *, cancelled: bool,
+) -> dict[str, Any]:
+    """One outcome for the run from each node's (None for a lost node, whose ranks become
+    failures of their own, timed when the node was found lost)."""
+    ranks: list[dict[str, Any]] = []
+    for node, outcome in enumerate(outcomes):
+        if outcome is None:
+            ranks += [
+                {"rank": node * nproc + local, "exitcode": None, "ok": False, "ended": ended.get(node, time.time()),
+                 "stopped": False, "stacks": "", "lost": f"node {node} was lost: {lost.get(node, 'no outcome')}"}
+                for local in range(nproc)
+            ]
+        else:
+            ranks += outcome["ranks"]
+    statuses = {outcome["status"] for outcome in outcomes if outcome is not None}
+    if cancelled:
+        status = "cancelled"
+    elif lost or "failed" in statuses:
+        status = "failed"
+    elif "timed_out" in statuses:
+        status = "timed_out"
+    elif statuses == {"succeeded"}:
+        status = "succeeded"
+    else:
+        status = "failed"  # a node cancelled by another's end, or the kernel gone
+    known = [outcome for outcome in outcomes if outcome is not None]
+    return {
+        "status": status,
+        "storage_error": next((o["storage_error"] for o in known if o.get("storage_error")), None),
+        "first_failure": None,
+        "master_port": known[0]["master_port"] if known and outcomes[0] is not None else None,
+        "notes": [note for o in known for note in o.get("notes", [])],
+        "attempts": [],
+        "lost_nodes": {str(node): why for node, why in lost.items()},
+        "dropped_lines": {k: v for o in known for k, v in o.get("dropped_lines", {}).items()},
+        "lines_sent": {k: v for o in known for k, v in o.get("lines_sent", {}).items()},
+        "ranks": sorted(ranks, key=lambda entry: entry["rank"]),
+    }
+
+
+def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:
+    """A node launcher's outcome, or None when it wrote none."""
+    with contextlib.suppress(OSError, ValueError):
+        return read_json(node_dir.outcome)
+    return None
