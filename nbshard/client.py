@@ -177,7 +177,9 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
         receiver = Receiver(key)
         write_json(run_dir.launch, {
             "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
-            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "nnodes": job.nnodes, "run_id": run_dir.path.name,
+            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "nnodes": job.nnodes,
+            "env": dict(job.env), "gpus": None if job.gpus is None else list(job.gpus),
+            "backend_options": dict(job.backend_options), "run_id": run_dir.path.name,
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
             "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), **spec,
         })

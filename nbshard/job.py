@@ -89,6 +89,9 @@ class Job:
     return_all: bool = False
     """Return a list with every rank's value instead of rank 0's."""
     backend: str = "subprocess"
+    """How the nodes start: ``"subprocess"`` (on this machine) or ``"ray"`` (one Ray actor per node)."""
+    backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Settings of the backend, e.g. ``{"num_gpus": 8}`` for Ray (see its module's docstring)."""
     grace: float = 2.0
     """Seconds between SIGTERM and SIGKILL when a job is stopped."""
     show_ranks: Sequence[int] | None = None
@@ -149,6 +152,8 @@ def _validate(job: Job) -> None:
             raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
     if not isinstance(job.backend, str):
         raise TypeError(f"backend must be a name such as 'subprocess', got {job.backend!r}")
+    if not isinstance(job.backend_options, Mapping) or not all(isinstance(k, str) for k in job.backend_options):
+        raise TypeError(f"backend_options must map option names to values, got {job.backend_options!r}")
     if job.show_ranks is not None and not all(
         isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in job.show_ranks
     ):

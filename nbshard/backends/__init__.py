@@ -3,8 +3,9 @@
 Each backend is a callable ``start(run_dir, env, cwd, *, preload) -> launcher`` whose
 launcher has ``poll``, ``wait``, ``request``, ``kill`` and ``close``.
 "subprocess" (the default) runs the launcher as a child of the kernel and the
-ranks as the launcher's children. Scale-out backends would hand the same
-worker entry point to an existing engine (torchrun's agent, Ray, Slurm).
+ranks as the launcher's children; "ray" starts the same launcher on each node
+through a Ray actor. A multi-node run's launcher is a ``NodeGroup`` over the
+nodes' launchers (``backends/nodes.py``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nbshard.backends.local import LauncherProcess, start_local
+from nbshard.backends.nodes import NodeGroup
+from nbshard.backends.ray import start_ray
 from nbshard.backends.warm import WarmLauncher
 
-__all__ = ["BACKENDS", "LauncherProcess", "WarmLauncher", "get_backend"]
+__all__ = ["BACKENDS", "LauncherProcess", "NodeGroup", "WarmLauncher", "get_backend"]
 
-Backend = Callable[..., "LauncherProcess | WarmLauncher"]  # (run_dir, env, cwd, *, preload) -> launcher
+Backend = Callable[..., "LauncherProcess | WarmLauncher | NodeGroup"]  # (run_dir, env, cwd, *, preload) -> launcher
 
-BACKENDS: dict[str, Backend] = {"subprocess": start_local}
+BACKENDS: dict[str, Backend] = {"subprocess": start_local, "ray": start_ray}
 
 
 def get_backend(name: str) -> Backend:

@@ -46,8 +46,9 @@ class NodeGroup:
 
     note: str | None = None
 
-    def __init__(self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any) -> None:
+    def __init__(self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any, cleanup: Any = None) -> None:
         self.nodes = list(nodes)
+        self._cleanup = cleanup  # what the backend frees once, when the run is over
         self._run_dir = run_dir
         self._nproc = nproc
         self._send_end = send_end
@@ -83,6 +84,9 @@ class NodeGroup:
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.close()
+        cleanup, self._cleanup = self._cleanup, None
+        if cleanup is not None:
+            cleanup()
 
     # -- supervising -------------------------------------------------------
 

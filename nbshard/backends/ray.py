@@ -1,0 +1,289 @@
+"""The "ray" backend: one small Ray actor per node starts nbshard's own launcher there.
+
+Ray places the actors (one per node, ``STRICT_SPREAD``, with the CPUs and GPUs asked for) and
+carries everything between the kernel and the nodes as actor calls: the job and its key go
+as call arguments, the ranks' signed frames come back in batches that the kernel's side
+forwards to its own loopback socket (where they are checked against the run's key as local
+ones are), and the ranks' files come home when a node ends. The kernel opens no port. Ray
+owns the actors through the kernel's driver: when the kernel dies, Ray kills them, and each
+launcher, whose parent the actor is, stops its ranks.
+
+``backend_options``: ``num_cpus`` (per node, default 1), ``num_gpus`` (per node, default 0),
+``resources`` (custom Ray resources per node), ``place_timeout`` (seconds to wait for the
+cluster to place the nodes, default 60), ``heartbeat`` (seconds a node may not answer before
+it counts as lost, default 30), ``env_allow`` (more variable-name prefixes to carry from the
+kernel's environment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from nbshard.backends.nodes import END_SEND_WAIT, NodeGroup
+from nbshard.files import read_json, write_atomic, write_json
+from nbshard.job import RANK_FILES, RunDir
+from nbshard.ports import pick_port
+from nbshard.wire import MAX_FRAME_BYTES, Sender
+
+__all__ = ["ENV_ALLOW", "start_ray"]
+
+# What of the kernel's environment travels to other machines (their own environment is
+# theirs): names starting with these, and what env= and env_allow add.
+ENV_ALLOW = ("NCCL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_", "WANDB_", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+             "PYTHONHASHSEED")
+_OPTIONS = {"num_cpus", "num_gpus", "resources", "place_timeout", "heartbeat", "env_allow"}
+PUMP = 0.05  # seconds between a node's batches of frames
+CHUNK = 8 << 20  # bytes of a file per call when a node's files come home
+RELAYED_FRAMES = 20_000  # frames a node holds for the kernel; past that, the oldest go (the logs keep every line)
+
+
+class NodeAgent:
+    """Lives on one node as a Ray actor: starts that node's launcher and relays its frames."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="nbshard-node-"))
+        self.launcher: Any = None
+        self.run_dir: RunDir | None = None
+        self.frames: deque[list[bytes]] = deque(maxlen=RELAYED_FRAMES)
+        self._context = zmq.Context()
+        self._relay = self._context.socket(zmq.PULL)
+        self._relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._relay.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self._relay.bind_to_random_port('tcp://127.0.0.1')}"
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                self.frames.append(self._relay.recv_multipart())
+
+    def where(self) -> tuple[str, int]:
+        """This node's address for the rendezvous, and a port free on it (used on node 0)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), pick_port(None)
+
+    def start(self, spec: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str]) -> None:
+        from nbshard.backends.local import _importable_env, _start_cold
+
+        self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
+        self.run_dir.path.mkdir(parents=True, mode=0o700)
+        write_atomic(self.run_dir.key, key)
+        if job is not None:
+            write_atomic(self.run_dir.job, job)
+        cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else str(self.folder)
+        write_json(self.run_dir.launch, {**spec, "address": self.address, "kernel_pid": os.getpid(), "cwd": cwd})
+        self.launcher = _start_cold(self.run_dir, _importable_env({**os.environ, **env}), cwd)
+
+    def pump(self) -> tuple[list[list[bytes]], int | None]:
+        """The frames since the last call, and the launcher's exit code once it has ended (read
+        before the frames, so the frames of an ended launcher are its last)."""
+        code = self.launcher.poll()
+        taken = [self.frames.popleft() for _ in range(len(self.frames))]
+        return taken, code
+
+    def request(self, command: bytes) -> None:
+        self.launcher.request(command)
+
+    def kill(self) -> None:
+        self.launcher.kill()
+
+    def outcome(self) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            return read_json(self.run_dir.outcome)
+        return None
+
+    def rank_files(self) -> dict[str, int]:
+        return {p.name: p.stat().st_size for p in self.run_dir.path.iterdir() if p.name.startswith(RANK_FILES)}
+
+    def read(self, name: str, offset: int) -> bytes:
+        with open(self.run_dir.path / name, "rb") as file:
+            file.seek(offset)
+            return file.read(CHUNK)
+
+    def clean(self) -> None:
+        import shutil
+
+        if self.launcher is not None:
+            self.launcher.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class RayNode:
+    """One node of the run, seen from the kernel: its actor, pumped by a thread of its own."""
+
+    def __init__(self, actor: Any, node_rank: int, forward: Any, heartbeat: float) -> None:
+        self.actor, self.node_rank = actor, node_rank
+        self._forward = forward
+        self._heartbeat = heartbeat
+        self._exit: int | None = None
+        self._lost: str | None = None
+        self._outcome: dict[str, Any] | None = None
+        self._thread = threading.Thread(target=self._pump, name=f"nbshard-ray-node-{node_rank}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        import ray
+
+        answered = time.monotonic()
+        while self._exit is None and self._lost is None:
+            try:
+                frames, code = ray.get(self.actor.pump.remote(), timeout=self._heartbeat)
+            except ray.exceptions.GetTimeoutError:
+                if time.monotonic() - answered > self._heartbeat:
+                    self._lost = f"its Ray actor did not answer for {self._heartbeat:g} s (the node froze or its network failed)"
+                continue
+            except ray.exceptions.RayError as error:
+                self._lost = f"its Ray actor died ({type(error).__name__}: {str(error).splitlines()[0][:300]})"
+                continue
+            answered = time.monotonic()
+            for message in frames:
+                self._forward(message)
+            if code is not None:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    self._outcome = ray.get(self.actor.outcome.remote(), timeout=self._heartbeat)
+                self._exit = code
+            else:
+                time.sleep(PUMP)
+
+    def poll(self) -> int | None:
+        return self._exit
+
+    def lost(self) -> str | None:
+        return self._lost
+
+    def outcome(self) -> dict[str, Any] | None:
+        return self._outcome
+
+    def request(self, command: bytes) -> None:
+        self.actor.request.remote(command)
+
+    def kill(self) -> None:
+        import ray
+
+        self.actor.kill.remote()
+        if self._lost is not None:
+            ray.kill(self.actor)
+
+    def bring_home(self, run_dir: RunDir) -> None:
+        import ray
+
+        for name, size in ray.get(self.actor.rank_files.remote(), timeout=self._heartbeat).items():
+            pieces = [ray.get(self.actor.read.remote(name, offset)) for offset in range(0, max(size, 1), CHUNK)]
+            write_atomic(run_dir.path / name, b"".join(pieces))
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.actor.clean.remote(), timeout=10)
+        ray.kill(self.actor)
+
+
+def _options(given: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(given) - _OPTIONS
+    if unknown:
+        raise ValueError(f"backend_options for ray: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
+    return {"num_cpus": 1, "num_gpus": 0, "resources": {}, "place_timeout": 60.0, "heartbeat": 30.0, "env_allow": (), **given}
+
+
+def node_environment(kernel_env: Mapping[str, str], job_env: Mapping[str, str], allow: Sequence[str]) -> dict[str, str]:
+    """What of the kernel's environment a remote node gets: the allow-listed names, then env=."""
+    prefixes = (*ENV_ALLOW, *allow)
+    return {**{k: v for k, v in kernel_env.items() if k.startswith(prefixes)}, **job_env}
+
+
+def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None) -> NodeGroup:
+    """One actor per node, placed by Ray; each starts the node's launcher; a ``NodeGroup``
+    supervises them. ``env`` is the kernel's launch environment (only part of it travels)."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    except ImportError:
+        raise ImportError("backend='ray' needs Ray: pip install 'nbshard[ray]' (or pip install ray)") from None
+    spec = read_json(run_dir.launch)
+    options = _options(spec.get("backend_options", {}))
+    if spec.get("gpus") is not None:
+        raise ValueError("backend='ray' gives each node the GPUs Ray assigns it: ask with backend_options={'num_gpus': N}, not gpus=")
+    if not ray.is_initialized():
+        ray.init(log_to_driver=False)  # RAY_ADDRESS, if set, names the cluster; else a local one starts
+    nnodes = spec["nnodes"]
+    bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}), **options["resources"]}
+    group = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD" if nnodes > 1 else "PACK")
+    try:
+        ray.get(group.ready(), timeout=options["place_timeout"])
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        raise RuntimeError(
+            f"Ray could not place {nnodes} node(s) with {bundle} each on distinct machines within "
+            f"{options['place_timeout']:g} s: the cluster has {len(alive)} alive node(s). Add nodes, ask for fewer "
+            "resources in backend_options, or lower nnodes."
+        ) from None
+    agent_class = ray.remote(NodeAgent)
+    actors = []
+    try:
+        for i in range(nnodes):
+            actors.append(agent_class.options(
+                num_cpus=options["num_cpus"], num_gpus=options["num_gpus"], resources=options["resources"] or None,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i),
+            ).remote())
+        key = run_dir.key.read_bytes()
+        job = run_dir.job.read_bytes() if run_dir.job.exists() else None
+        master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
+        port = spec["master_port"] or port
+        node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
+        ray.get([
+            actor.start.remote({**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env)
+            for i, actor in enumerate(actors)
+        ], timeout=options["place_timeout"])
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(group)
+        raise
+    forward = _Forwarder(spec["address"])
+    nodes = [RayNode(actor, i, forward.send, options["heartbeat"]) for i, actor in enumerate(actors)]
+
+    def send_end(message: dict[str, Any]) -> None:
+        sender = Sender(spec["address"], key)
+        sender.send(message, wait=END_SEND_WAIT)
+        sender.close()
+
+    def cleanup() -> None:
+        forward.close()
+        remove_placement_group(group)
+
+    return NodeGroup(run_dir, nodes, spec["nproc"], send_end, cleanup)
+
+
+class _Forwarder:
+    """Puts the nodes' frames, as they came, on the kernel's own loopback socket."""
+
+    def __init__(self, address: str) -> None:
+        self._lock = threading.Lock()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(address)
+
+    def send(self, frames: list[bytes]) -> None:
+        with self._lock, contextlib.suppress(zmq.ZMQError):
+            self._socket.send_multipart(frames)
+
+    def close(self) -> None:
+        with self._lock:
+            self._socket.close()
+            self._context.term()

@@ -1,0 +1,133 @@
+"""backend="ray": one Ray actor per node starts nbshard's launcher there. A real local Ray
+cluster of two nodes (two raylets on this machine), on loopback only."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+
+# Before Ray is imported: Ray then gives its nodes the loopback address (not this machine's
+# network address), so the tests' traffic, the ranks' rendezvous included, stays on 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 'nbshard[ray]'")
+
+import nbshard  # noqa: E402
+import programs  # noqa: E402
+from conftest import nbshard_processes  # noqa: E402
+from nbshard.backends.ray import node_environment  # noqa: E402
+from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    started = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    started.add_node(num_cpus=1)
+    ray.init(address=started.address, log_to_driver=False)
+    yield started
+    ray.shutdown()
+    started.shutdown()
+
+
+def processes_of_run(handle: nbshard.JobHandle) -> dict[int, str]:
+    """The launchers and ranks of a run on every node (each node's directory is named after it)."""
+    return {pid: cmd for pid, cmd in nbshard_processes().items() if handle.run_dir.name in cmd}
+
+
+def gone_within(handle: nbshard.JobHandle, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while processes_of_run(handle):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_each_node_runs_its_ranks_with_the_multi_node_environment(cluster, capsys):
+    handle = nbshard.submit(environment_of_a_rank, nproc=1, nnodes=2, backend="ray", return_all=True)
+    handle.watch()
+    envs = handle.result()
+    assert [(e["RANK"], e["GROUP_RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0", "0"), ("1", "1", "0")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and all(e["sum"] == 1.0 for e in envs)
+    shown = capsys.readouterr().out
+    assert "[rank1]: rank 1 of 2 on node 1" in shown  # streamed live through the node's actor
+    assert "rank 1 of 2 on node 1" in handle.logs(1)  # and the log came home
+    assert sorted(handle.peak_memory()) == [0, 1]  # samples relayed from both nodes
+    assert handle.run_dir.name not in " ".join(glob.glob("/tmp/nbshard-node-*/*"))  # node directories removed
+
+
+def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(cluster):
+    handle = nbshard.submit(programs.raise_on_rank, 1, "bad batch on node 1", 0.5, nproc=1, nnodes=2, backend="ray")
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=120)
+    assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad batch on node 1")
+    assert str(caught.value.__cause__) == "bad batch on node 1"
+    assert gone_within(handle, 5)
+
+
+def test_cancel_stops_every_node_within_5_seconds(cluster):
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
+    while len(processes_of_run(handle)) < 4 and not handle.done():  # two launchers, two ranks
+        time.sleep(0.05)
+    time.sleep(1)
+    started = time.monotonic()
+    handle.cancel()
+    assert time.monotonic() - started < 5
+    assert isinstance(handle.exception(), nbshard.JobCancelled)
+    assert gone_within(handle, 5)
+
+
+def test_a_node_whose_actor_dies_is_lost_and_named_first(cluster):
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
+    while len(processes_of_run(handle)) < 4 and not handle.done():
+        time.sleep(0.05)
+    ray.kill(handle._launcher.nodes[1].actor)
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=60)
+    assert str(caught.value).startswith("The job failed because node 1 was lost: its Ray actor died")
+    assert caught.value.failures[0].rank == 1
+    assert gone_within(handle, 5)
+
+
+def test_a_killed_kernel_takes_every_actor_launcher_and_rank_along(cluster, script):
+    kernel = script(
+        f"""
+        import os
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray, nbshard, programs
+        ray.init(address={cluster.address!r}, log_to_driver=False)
+        handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
+        print("run", handle.run_dir.name, flush=True)
+        handle.watch()
+        """
+    )
+    run_id = kernel.wait_for("run ").split()[1]
+    kernel.wait_for("ready")
+    kernel.wait_for("ready")
+    assert len([cmd for cmd in nbshard_processes().values() if run_id in cmd]) == 4
+    kernel.process.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 5  # Ray kills the driver's actors; each launcher sees its parent go
+    while any(run_id in cmd for cmd in nbshard_processes().values()):
+        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel"
+        time.sleep(0.1)
+
+
+def test_nodes_that_cannot_be_placed_are_a_clear_error(cluster):
+    with pytest.raises(RuntimeError, match="Ray could not place 3 node"):
+        nbshard.submit(print, nproc=1, nnodes=3, backend="ray", backend_options={"place_timeout": 2})
+    with pytest.raises(ValueError, match="unknown num_gpu; known"):
+        nbshard.submit(print, nproc=1, backend="ray", backend_options={"num_gpu": 1})
+
+
+def test_only_the_allow_listed_part_of_the_kernels_environment_travels():
+    kernel = {"HOME": "/home/me", "PATH": "/bin", "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "SECRET": "x", "MY_FLAG": "1"}
+    assert node_environment(kernel, {"EXTRA": "2"}, ("MY_",)) == {
+        "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "MY_FLAG": "1", "EXTRA": "2",
+    }
