@@ -101,9 +101,11 @@ def _shown_execution_count(shell: Any) -> int:
 @magics_class
 class ShardMagics(Magics):
     @magic_arguments()
-    @argument("-n", "--nproc", type=int, default=None, help="number of ranks (default: one per visible GPU, or 1)")
+    @argument("-n", "--nproc", type=int, default=None, help="number of ranks per node (default: one per visible GPU, or 1)")
+    @argument("--nnodes", type=int, default=1, help="number of nodes, each running --nproc ranks (default 1)")
     @argument("--gpus", default=None, help="comma-separated GPU indices or UUIDs the ranks see; '' hides every GPU")
-    @argument("--backend", default="subprocess", help="how ranks start (default: subprocess, local child processes)")
+    @argument("--backend", default="subprocess",
+              help="how nodes start: subprocess (on this machine, the default) or ray (one Ray actor per node)")
     @argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
     @argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL when stopping")
     @argument("--max-restarts", type=int, default=0, metavar="N",
@@ -133,6 +135,8 @@ class ShardMagics(Magics):
         shell = self.shell
         _check_plain_python(shell, cell)
         pull = _names(args.pull)
+        if args.session and args.nnodes != 1:
+            raise UsageError("%%shard_train: a session runs on one node; drop --nnodes or --session")
         if args.session and args.max_restarts:
             raise UsageError("%%shard_train: --max-restarts starts a failed job's ranks again; a session keeps its "
                              "ranks between cells (after a failure, %shard_session NAME --restart)")
@@ -185,7 +189,7 @@ class ShardMagics(Magics):
                         "pull": pull, "pull_all": args.pull_all},
                 nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts,
+                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts, nnodes=args.nnodes,
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:

@@ -151,6 +151,8 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train --push nothere\npass", "--push nothere: no such name"),
         ("%%shard_train --push unused_lock\npass", "Cannot ship the notebook's 'unused_lock'"),
         ("%%shard_train --max-restarts -1\npass", "max_restarts must be a whole number of restarts"),
+        ("%%shard_train --nnodes 0\npass", "nnodes must be a positive integer"),
+        ("%%shard_train --session s --nnodes 2\npass", "a session runs on one node"),
         ("%%shard_train --session s --max-restarts 1\npass", "a session keeps its ranks between cells"),
     ],
 )
@@ -174,10 +176,20 @@ def test_max_restarts_starts_a_failed_cell_again_and_says_why(notebook):
     assert notebook.execute("print(attempt)").stdout.strip() == "1"
 
 
+def test_a_cell_on_two_nodes_sees_global_ranks(notebook):
+    result = notebook.execute(
+        "%%shard_train --nproc 1 --nnodes 2 --pull-all --pull node\n"
+        "import os\n"
+        "node = (rank, world_size, int(os.environ['GROUP_RANK']))\n"
+    )
+    assert result.status == "ok", result.stderr + result.traceback
+    assert notebook.execute("print(node)").stdout.strip() == "[(0, 2, 0), (1, 2, 1)]"
+
+
 def test_help_lists_the_options(notebook):
     payload = notebook.execute("%%shard_train?").reply["payload"]
     text = payload[0]["data"]["text/plain"]
-    assert all(option in text for option in ("--nproc", "--pull", "--pull-all", "--push", "--noblock", "--gpus", "--max-restarts"))
+    assert all(option in text for option in ("--nproc", "--pull", "--pull-all", "--push", "--noblock", "--gpus", "--max-restarts", "--nnodes"))
 
 
 def test_noblock_binds_the_handle_and_shows_output_in_its_own_cell(notebook):

@@ -131,3 +131,35 @@ def test_only_the_allow_listed_part_of_the_kernels_environment_travels():
     assert node_environment(kernel, {"EXTRA": "2"}, ("MY_",)) == {
         "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "MY_FLAG": "1", "EXTRA": "2",
     }
+
+
+def test_kept_actors_serve_the_next_job_and_are_freed_on_request(cluster):
+    from nbshard.backends.ray import release_kept
+
+    options = {"keep": True}
+    first = nbshard.submit(programs.rank_and_value, 3, nproc=1, nnodes=2, backend="ray", backend_options=options, return_all=True)
+    assert first.result(timeout=120) == [0, 3]
+    second = nbshard.submit(programs.rank_and_value, 5, nproc=1, nnodes=2, backend="ray", backend_options=options, return_all=True)
+    assert second.result(timeout=120) == [0, 5]
+    actors = [node.actor for node in second._launcher.nodes]
+    assert [a._actor_id for a in actors] == [node.actor._actor_id for node in first._launcher.nodes]
+    release_kept()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].where.remote(), timeout=30)
+
+
+def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray", backend_options={"heartbeat": 3})
+    while len(processes_of_run(handle)) < 4 and not handle.done():
+        time.sleep(0.05)
+    [launcher] = [pid for pid, cmd in processes_of_run(handle).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
+    actor_pid = int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])
+    os.kill(actor_pid, signal.SIGSTOP)  # the node's actor stops answering; its launcher and rank run on
+    try:
+        with pytest.raises(nbshard.JobFailed) as caught:
+            handle.result(timeout=60)
+    finally:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.kill(actor_pid, signal.SIGCONT)
+    assert "node 1 was lost: its Ray actor did not answer for 3 s" in str(caught.value)
+    assert gone_within(handle, 5)

@@ -12,7 +12,8 @@ launcher, whose parent the actor is, stops its ranks.
 ``resources`` (custom Ray resources per node), ``place_timeout`` (seconds to wait for the
 cluster to place the nodes, default 60), ``heartbeat`` (seconds a node may not answer before
 it counts as lost, default 30), ``env_allow`` (more variable-name prefixes to carry from the
-kernel's environment).
+kernel's environment), ``keep`` (keep the actors and their placement for the next job that
+asks for the same; ``release_kept()`` frees them, and so does the kernel's exit).
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from nbshard.job import RANK_FILES, RunDir
 from nbshard.ports import pick_port
 from nbshard.wire import MAX_FRAME_BYTES, Sender
 
-__all__ = ["ENV_ALLOW", "start_ray"]
+__all__ = ["ENV_ALLOW", "release_kept", "start_ray"]
 
 # What of the kernel's environment travels to other machines (their own environment is
 # theirs): names starting with these, and what env= and env_allow add.
 ENV_ALLOW = ("NCCL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_", "WANDB_", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
              "PYTHONHASHSEED")
-_OPTIONS = {"num_cpus", "num_gpus", "resources", "place_timeout", "heartbeat", "env_allow"}
+_OPTIONS = {"num_cpus", "num_gpus", "resources", "place_timeout", "heartbeat", "env_allow", "keep"}
 PUMP = 0.05  # seconds between a node's batches of frames
 CHUNK = 8 << 20  # bytes of a file per call when a node's files come home
 RELAYED_FRAMES = 20_000  # frames a node holds for the kernel; past that, the oldest go (the logs keep every line)
@@ -76,6 +77,7 @@ class NodeAgent:
     def start(self, spec: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str]) -> None:
         from nbshard.backends.local import _importable_env, _start_cold
 
+        self.frames.clear()  # a kept actor: nothing of the last run goes to this one
         self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
         self.run_dir.path.mkdir(parents=True, mode=0o700)
         write_atomic(self.run_dir.key, key)
@@ -111,19 +113,20 @@ class NodeAgent:
             file.seek(offset)
             return file.read(CHUNK)
 
-    def clean(self) -> None:
+    def clean(self, keep: bool) -> None:
+        """Remove the run's directory (and, unless the actor is kept, the actor's own)."""
         import shutil
 
         if self.launcher is not None:
             self.launcher.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.run_dir.path.parent if keep and self.run_dir else self.folder, ignore_errors=True)
 
 
 class RayNode:
     """One node of the run, seen from the kernel: its actor, pumped by a thread of its own."""
 
-    def __init__(self, actor: Any, node_rank: int, forward: Any, heartbeat: float) -> None:
-        self.actor, self.node_rank = actor, node_rank
+    def __init__(self, actor: Any, node_rank: int, forward: Any, heartbeat: float, keep: bool) -> None:
+        self.actor, self.node_rank, self.keep = actor, node_rank, keep
         self._forward = forward
         self._heartbeat = heartbeat
         self._exit: int | None = None
@@ -171,9 +174,9 @@ class RayNode:
     def kill(self) -> None:
         import ray
 
+        self.keep = False  # a killed run's actors are not used again
         self.actor.kill.remote()
-        if self._lost is not None:
-            ray.kill(self.actor)
+        ray.kill(self.actor)
 
     def bring_home(self, run_dir: RunDir) -> None:
         import ray
@@ -185,16 +188,18 @@ class RayNode:
     def close(self) -> None:
         import ray
 
+        self.keep = self.keep and self._lost is None
         with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.actor.clean.remote(), timeout=10)
-        ray.kill(self.actor)
+            ray.get(self.actor.clean.remote(self.keep), timeout=10)
+        if not self.keep:
+            ray.kill(self.actor)
 
 
 def _options(given: Mapping[str, Any]) -> dict[str, Any]:
     unknown = set(given) - _OPTIONS
     if unknown:
         raise ValueError(f"backend_options for ray: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
-    return {"num_cpus": 1, "num_gpus": 0, "resources": {}, "place_timeout": 60.0, "heartbeat": 30.0, "env_allow": (), **given}
+    return {"num_cpus": 1, "num_gpus": 0, "resources": {}, "place_timeout": 60.0, "heartbeat": 30.0, "env_allow": (), "keep": False, **given}
 
 
 def node_environment(kernel_env: Mapping[str, str], job_env: Mapping[str, str], allow: Sequence[str]) -> dict[str, str]:
@@ -208,8 +213,6 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
     supervises them. ``env`` is the kernel's launch environment (only part of it travels)."""
     try:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ImportError("backend='ray' needs Ray: pip install 'nbshard[ray]' (or pip install ray)") from None
     spec = read_json(run_dir.launch)
@@ -220,6 +223,48 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         ray.init(log_to_driver=False)  # RAY_ADDRESS, if set, names the cluster; else a local one starts
     nnodes = spec["nnodes"]
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}), **options["resources"]}
+    pool_key = repr((nnodes, sorted(bundle.items())))
+    kept = _KEPT.pop(pool_key, None) if options["keep"] else None
+    group, actors = kept if kept is not None else _place(ray, nnodes, bundle, options)
+    key = run_dir.key.read_bytes()
+    try:
+        job = run_dir.job.read_bytes() if run_dir.job.exists() else None
+        master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
+        port = spec["master_port"] or port
+        node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
+        ray.get([
+            actor.start.remote({**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env)
+            for i, actor in enumerate(actors)
+        ], timeout=options["place_timeout"])
+    except BaseException:
+        _free(ray, group, actors)
+        raise
+    forward = _Forwarder(spec["address"])
+    nodes = [RayNode(actor, i, forward.send, options["heartbeat"], options["keep"]) for i, actor in enumerate(actors)]
+
+    def send_end(message: dict[str, Any]) -> None:
+        sender = Sender(spec["address"], key)
+        sender.send(message, wait=END_SEND_WAIT)
+        sender.close()
+
+    def cleanup() -> None:
+        forward.close()
+        if all(node.keep for node in nodes) and pool_key not in _KEPT:
+            _KEPT[pool_key] = (group, actors)
+        else:
+            _free(ray, group, [node.actor for node in nodes if node.keep])
+
+    return NodeGroup(run_dir, nodes, spec["nproc"], send_end, cleanup)
+
+
+_KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same
+
+
+def _place(ray: Any, nnodes: int, bundle: dict[str, Any], options: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """A placement group of one bundle per node, each on its own machine, and an actor in each."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     group = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD" if nnodes > 1 else "PACK")
     try:
         ray.get(group.ready(), timeout=options["place_timeout"])
@@ -231,42 +276,33 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
             f"{options['place_timeout']:g} s: the cluster has {len(alive)} alive node(s). Add nodes, ask for fewer "
             "resources in backend_options, or lower nnodes."
         ) from None
-    agent_class = ray.remote(NodeAgent)
-    actors = []
-    try:
-        for i in range(nnodes):
-            actors.append(agent_class.options(
-                num_cpus=options["num_cpus"], num_gpus=options["num_gpus"], resources=options["resources"] or None,
-                max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i),
-            ).remote())
-        key = run_dir.key.read_bytes()
-        job = run_dir.job.read_bytes() if run_dir.job.exists() else None
-        master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
-        port = spec["master_port"] or port
-        node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
-        ray.get([
-            actor.start.remote({**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env)
-            for i, actor in enumerate(actors)
-        ], timeout=options["place_timeout"])
-    except BaseException:
-        for actor in actors:
+    agent = ray.remote(NodeAgent)
+    return group, [
+        agent.options(
+            num_cpus=options["num_cpus"], num_gpus=options["num_gpus"], resources=options["resources"] or None,
+            max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i),
+        ).remote()
+        for i in range(nnodes)
+    ]
+
+
+def _free(ray: Any, group: Any, actors: Sequence[Any]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        with contextlib.suppress(Exception):
             ray.kill(actor)
-        remove_placement_group(group)
-        raise
-    forward = _Forwarder(spec["address"])
-    nodes = [RayNode(actor, i, forward.send, options["heartbeat"]) for i, actor in enumerate(actors)]
-
-    def send_end(message: dict[str, Any]) -> None:
-        sender = Sender(spec["address"], key)
-        sender.send(message, wait=END_SEND_WAIT)
-        sender.close()
-
-    def cleanup() -> None:
-        forward.close()
+    with contextlib.suppress(Exception):
         remove_placement_group(group)
 
-    return NodeGroup(run_dir, nodes, spec["nproc"], send_end, cleanup)
+
+def release_kept() -> None:
+    """Free the actors and placements that ``keep=True`` kept between jobs."""
+    import ray
+
+    while _KEPT:
+        _free(ray, *_KEPT.popitem()[1])
 
 
 class _Forwarder:
