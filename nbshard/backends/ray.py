@@ -74,8 +74,10 @@ class NodeAgent:
 
         return ray.util.get_node_ip_address(), pick_port(None)
 
-    def start(self, spec: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str]) -> None:
-        from nbshard.backends.local import _importable_env, _start_cold
+    def start(self, spec: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str], preload: list[str] | None) -> None:
+        """Start this node's launcher: forked from a warm process of this actor's (started by its
+        first job, so a kept actor's later jobs launch warm) when ``preload`` is given."""
+        from nbshard.backends.local import _start_node
 
         self.frames.clear()  # a kept actor: nothing of the last run goes to this one
         self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
@@ -85,7 +87,7 @@ class NodeAgent:
             write_atomic(self.run_dir.job, job)
         cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else str(self.folder)
         write_json(self.run_dir.launch, {**spec, "address": self.address, "kernel_pid": os.getpid(), "cwd": cwd})
-        self.launcher = _start_cold(self.run_dir, _importable_env({**os.environ, **env}), cwd)
+        self.launcher = _start_node(self.run_dir, {**os.environ, **env}, cwd, preload)
 
     def pump(self) -> tuple[list[list[bytes]], int | None]:
         """The frames since the last call, and the launcher's exit code once it has ended (read
@@ -233,7 +235,10 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         port = spec["master_port"] or port
         node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
         ray.get([
-            actor.start.remote({**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env)
+            actor.start.remote(
+                {**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env,
+                list(preload) if preload is not None and options["keep"] else None,  # warm pays off in kept actors
+            )
             for i, actor in enumerate(actors)
         ], timeout=options["place_timeout"])
     except BaseException:
@@ -275,6 +280,7 @@ def _place(ray: Any, nnodes: int, bundle: dict[str, Any], options: dict[str, Any
             f"Ray could not place {nnodes} node(s) with {bundle} each on distinct machines within "
             f"{options['place_timeout']:g} s: the cluster has {len(alive)} alive node(s). Add nodes, ask for fewer "
             "resources in backend_options, or lower nnodes."
+            + (f" Actors kept with keep=True hold {len(_KEPT)} placement(s): release_kept() frees them." if _KEPT else "")
         ) from None
     agent = ray.remote(NodeAgent)
     return group, [
