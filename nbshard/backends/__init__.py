@@ -4,7 +4,7 @@ Each backend is a callable ``start(run_dir, env, cwd, *, preload) -> launcher`` 
 launcher has ``poll``, ``wait``, ``request``, ``kill`` and ``close``.
 "subprocess" (the default) runs the launcher as a child of the kernel and the
 ranks as the launcher's children; "ray" starts the same launcher on each node
-through a Ray actor. A multi-node run's launcher is a ``NodeGroup`` over the
+through a Ray actor, "slurm" through one srun task per node. A multi-node run's launcher is a ``NodeGroup`` over the
 nodes' launchers (``backends/nodes.py``).
 """
 
@@ -15,13 +15,14 @@ from collections.abc import Callable
 from nbshard.backends.local import LauncherProcess, start_local
 from nbshard.backends.nodes import NodeGroup
 from nbshard.backends.ray import start_ray
+from nbshard.backends.slurm import start_slurm
 from nbshard.backends.warm import WarmLauncher
 
 __all__ = ["BACKENDS", "LauncherProcess", "NodeGroup", "WarmLauncher", "get_backend"]
 
 Backend = Callable[..., "LauncherProcess | WarmLauncher | NodeGroup"]  # (run_dir, env, cwd, *, preload) -> launcher
 
-BACKENDS: dict[str, Backend] = {"subprocess": start_local, "ray": start_ray}
+BACKENDS: dict[str, Backend] = {"subprocess": start_local, "ray": start_ray, "slurm": start_slurm}
 
 
 def get_backend(name: str) -> Backend:

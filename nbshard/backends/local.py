@@ -11,13 +11,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends.nodes import END_SEND_WAIT, NodeGroup, node_outcome
+from nbshard.backends.nodes import NodeGroup, end_sender, move_rank_files, node_outcome
 from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
-from nbshard.job import RANK_FILES, RunDir, rank_environment
+from nbshard.job import RunDir, rank_environment
 from nbshard.ports import pick_port
-from nbshard.wire import Sender
 
 __all__ = ["LauncherProcess", "LocalNode", "start_local"]
 
@@ -53,6 +52,12 @@ class LauncherProcess:
                 stdin.write(command)
                 stdin.flush()
 
+    def end_input(self) -> None:
+        """Close the pipe as a kernel's death would: the launcher stops its ranks."""
+        with contextlib.suppress(OSError):
+            if self._popen.stdin is not None:
+                self._popen.stdin.close()
+
     def kill(self) -> None:
         """SIGKILL the launcher and everything in its process group: every rank."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -61,9 +66,7 @@ class LauncherProcess:
     def close(self) -> None:
         """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipe."""
         self.kill()
-        if self._popen.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._popen.stdin.close()
+        self.end_input()
 
 
 def _importable_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -117,9 +120,7 @@ class LocalNode:
         return None  # a launcher on this machine is lost when it exits without an outcome
 
     def bring_home(self, run_dir: RunDir) -> None:
-        for path in self.node_dir.path.iterdir():
-            if path.name.startswith(RANK_FILES):
-                os.replace(path, run_dir.path / path.name)
+        move_rank_files(self.node_dir, run_dir)
 
 
 def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:
@@ -139,14 +140,7 @@ def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], 
         for node in nodes:
             node.kill()
         raise
-    key = run_dir.key.read_bytes()
-
-    def send_end(message: dict[str, Any]) -> None:
-        sender = Sender(spec["address"], key)
-        sender.send(message, wait=END_SEND_WAIT)
-        sender.close()
-
-    group = NodeGroup(run_dir, nodes, spec["nproc"], send_end)
+    group = NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()))
     group.note = next((node.launcher.note for node in nodes if node.launcher.note), None)
     return group
 

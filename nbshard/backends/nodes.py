@@ -15,16 +15,20 @@ None) and ``bring_home(run_dir)`` (move its ranks' files into the kernel's run d
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from nbshard.files import read_json, write_json
-from nbshard.job import CANCEL, KILL, RunDir
+import zmq
 
-__all__ = ["Node", "NodeGroup", "merge_outcomes"]
+from nbshard.files import read_json, write_json
+from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
+from nbshard.wire import Sender
+
+__all__ = ["Forwarder", "Node", "NodeGroup", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome"]
 
 POLL = 0.05
 END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
@@ -169,8 +173,47 @@ def merge_outcomes(
     }
 
 
+def move_rank_files(node_dir: RunDir, run_dir: RunDir) -> None:
+    """A node's rank files (on this machine or a shared filesystem) into the run's directory."""
+    for path in node_dir.path.iterdir():
+        if path.name.startswith(RANK_FILES):
+            os.replace(path, run_dir.path / path.name)
+
+
 def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:
     """A node launcher's outcome, or None when it wrote none."""
     with contextlib.suppress(OSError, ValueError):
         return read_json(node_dir.outcome)
     return None
+
+
+def end_sender(address: str, key: bytes) -> Any:
+    """``send_end`` for a ``NodeGroup``: the run's last message, signed, to the kernel's socket."""
+
+    def send_end(message: dict[str, Any]) -> None:
+        sender = Sender(address, key)
+        sender.send(message, wait=END_SEND_WAIT)
+        sender.close()
+
+    return send_end
+
+
+class Forwarder:
+    """Puts frames relayed from remote nodes, as they came, on the kernel's own loopback socket
+    (where they are checked against the run's key like local ones)."""
+
+    def __init__(self, address: str) -> None:
+        self._lock = threading.Lock()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(address)
+
+    def send(self, frames: list[bytes]) -> None:
+        with self._lock, contextlib.suppress(zmq.ZMQError):
+            self._socket.send_multipart(frames)
+
+    def close(self) -> None:
+        with self._lock:
+            self._socket.close()
+            self._context.term()

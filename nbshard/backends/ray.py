@@ -30,11 +30,11 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import END_SEND_WAIT, NodeGroup
+from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RANK_FILES, RunDir
 from nbshard.ports import pick_port
-from nbshard.wire import MAX_FRAME_BYTES, Sender
+from nbshard.wire import MAX_FRAME_BYTES
 
 __all__ = ["ENV_ALLOW", "release_kept", "start_ray"]
 
@@ -244,13 +244,8 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
     except BaseException:
         _free(ray, group, actors)
         raise
-    forward = _Forwarder(spec["address"])
+    forward = Forwarder(spec["address"])
     nodes = [RayNode(actor, i, forward.send, options["heartbeat"], options["keep"]) for i, actor in enumerate(actors)]
-
-    def send_end(message: dict[str, Any]) -> None:
-        sender = Sender(spec["address"], key)
-        sender.send(message, wait=END_SEND_WAIT)
-        sender.close()
 
     def cleanup() -> None:
         forward.close()
@@ -259,7 +254,7 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         else:
             _free(ray, group, [node.actor for node in nodes if node.keep])
 
-    return NodeGroup(run_dir, nodes, spec["nproc"], send_end, cleanup)
+    return NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], key), cleanup)
 
 
 _KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same
@@ -309,23 +304,3 @@ def release_kept() -> None:
 
     while _KEPT:
         _free(ray, *_KEPT.popitem()[1])
-
-
-class _Forwarder:
-    """Puts the nodes' frames, as they came, on the kernel's own loopback socket."""
-
-    def __init__(self, address: str) -> None:
-        self._lock = threading.Lock()
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(address)
-
-    def send(self, frames: list[bytes]) -> None:
-        with self._lock, contextlib.suppress(zmq.ZMQError):
-            self._socket.send_multipart(frames)
-
-    def close(self) -> None:
-        with self._lock:
-            self._socket.close()
-            self._context.term()

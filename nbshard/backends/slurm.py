@@ -1,0 +1,279 @@
+"""The "slurm" backend: ``srun`` starts one task per node, and each task runs nbshard's launcher.
+
+The kernel runs ``srun --nodes=N --ntasks-per-node=1 --input=all --kill-on-bad-exit=1`` inside
+the allocation it has (or srun asks for one, as it does outside an allocation). The run
+directory lives on the filesystem Slurm sites share between nodes (``NBSHARD_RUNS_DIR``; the
+default under ``~/.cache`` is in the home directory): each node's launcher works in
+``nodes/node-K/`` there, node 0 publishes the rendezvous address and a port free on it, and
+the ranks' files are in place when the job ends.
+
+Everything else travels on Slurm's own channels, so the kernel opens no port: what the kernel
+writes to srun's stdin (a cancel, a kill, and its end of file when the kernel dies) reaches
+every task, which hands it to its launcher as a local kernel would; the ranks' signed frames
+go to a loopback socket of their node's task, which writes them as text lines to its stdout,
+which srun brings to the kernel; the kernel checks them against the run's key.
+
+``backend_options``: ``srun_args`` (a list of extra srun arguments, e.g.
+``["--partition=gpu", "--gpus-per-node=8", "--time=2:00:00"]``), ``env_allow`` (more
+variable-name prefixes of the kernel's environment to pass on).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender, move_rank_files, node_outcome
+from nbshard.files import read_json, write_atomic, write_json
+from nbshard.job import KILL, RunDir
+from nbshard.ports import pick_port
+from nbshard.wire import MAX_FRAME_BYTES
+
+__all__ = ["ENV_KEEP", "main", "start_slurm"]
+
+# What of the kernel's environment the tasks get (srun passes its own environment on): what
+# finds Python and its libraries on the nodes, the allow-list other backends use, and env=.
+ENV_KEEP = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HOME", "USER", "LANG", "LC_", "TMPDIR", "SLURM_")
+FRAME_PREFIX = "NBSHARD-FRAME "
+_OPTIONS = {"srun_args", "env_allow"}
+MASTER_WAIT = 120.0  # seconds a node waits for node 0 to publish the rendezvous address
+KILL_AFTER = 3.0  # seconds srun gets to end the step after a kill before it is stopped
+SRUN_END_WAIT = 10.0  # seconds srun gets to end by itself once the nodes have ended
+SRUN_TERM_WAIT = 5.0  # seconds between SIGTERM and SIGKILL to srun
+
+
+# -- the kernel's side ---------------------------------------------------------
+
+
+class SlurmStep:
+    """The one srun of a run: its stdin reaches every node's launcher, its stdout brings frames."""
+
+    def __init__(self, run_dir: RunDir, command: list[str], env: Mapping[str, str], forward: Forwarder, job_name: str) -> None:
+        self.job_name = job_name
+        self._log = open(run_dir.path / "srun.log", "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self.popen = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=dict(env),
+            cwd=str(run_dir.path), start_new_session=True,
+        )
+        self._forward = forward
+        self._reader = threading.Thread(target=self._read, name=f"nbshard-srun-{run_dir.path.name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            text = line.decode(errors="replace")
+            if text.startswith(FRAME_PREFIX):
+                with contextlib.suppress(ValueError):
+                    self._forward.send([base64.b64decode(part) for part in text[len(FRAME_PREFIX):].split()])
+            else:
+                with contextlib.suppress(OSError):
+                    self._log.write(line)
+
+    def write(self, command: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.popen.stdin is not None
+            self.popen.stdin.write(command + b"\n")
+            self.popen.stdin.flush()
+
+    def kill(self) -> None:
+        """Ask every launcher to kill its ranks now; srun itself goes if it lingers."""
+        self.write(KILL)
+        timer = threading.Timer(KILL_AFTER, self._kill_srun)
+        timer.daemon = True
+        timer.start()
+
+    def _kill_srun(self) -> None:
+        """SIGTERM, which srun passes to the tasks before it ends the step (and the allocation it
+        made, if it made one); then SIGKILL, and scancel of an allocation made under this run's name."""
+        for signum, wait in ((signal.SIGTERM, SRUN_TERM_WAIT), (signal.SIGKILL, 0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signum)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(wait)
+                return
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(["scancel", f"--name={self.job_name}"], capture_output=True, timeout=10)
+
+    def close(self) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(SRUN_END_WAIT)  # the tasks end right after their launchers' outcomes
+        if self.popen.poll() is None:
+            self._kill_srun()
+        self._reader.join(timeout=2)
+        with contextlib.suppress(OSError):
+            if self.popen.stdin is not None:
+                self.popen.stdin.close()
+        self._log.close()
+
+
+class SlurmNode:
+    """One node of the step: its launcher's outcome appears in its directory on the shared filesystem."""
+
+    def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int) -> None:
+        self.step, self.node_dir, self.node_rank = step, node_dir, node_rank
+
+    def poll(self) -> int | None:
+        if node_outcome(self.node_dir) is not None:
+            return 0
+        return self.step.popen.poll()
+
+    def lost(self) -> str | None:
+        code = self.step.popen.poll()
+        if code is None or node_outcome(self.node_dir) is not None:
+            return None
+        return (
+            f"srun ended (exit code {code}) before this node's launcher said how its ranks ended: the "
+            f"allocation was cancelled (scancel), ran out of time, or the node failed; see {self.step._log.name}"
+        )
+
+    def outcome(self) -> dict[str, Any] | None:
+        return node_outcome(self.node_dir)
+
+    def request(self, command: bytes) -> None:
+        self.step.write(command)
+
+    def kill(self) -> None:
+        self.step.kill()
+
+    def close(self) -> None:
+        pass  # the step is closed once, by the group's cleanup
+
+    def bring_home(self, run_dir: RunDir) -> None:
+        move_rank_files(self.node_dir, run_dir)
+
+
+def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None) -> NodeGroup:
+    """``srun`` one task per node; each runs ``python -m nbshard.backends.slurm RUN_DIR``."""
+    srun = shutil.which("srun", path=env.get("PATH"))
+    if srun is None:
+        raise RuntimeError("backend='slurm' needs Slurm's srun on PATH: run the notebook on a Slurm cluster's node")
+    spec = read_json(run_dir.launch)
+    unknown = set(spec.get("backend_options", {})) - _OPTIONS
+    if unknown:
+        raise ValueError(f"backend_options for slurm: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
+    options = {"srun_args": [], "env_allow": (), **spec.get("backend_options", {})}
+    if spec.get("gpus") is not None:
+        raise ValueError("backend='slurm' gives each node the GPUs Slurm assigns it: ask with srun_args=['--gpus-per-node=N'], not gpus=")
+    from nbshard.backends.local import _importable_env
+    from nbshard.backends.ray import ENV_ALLOW
+
+    keep = (*ENV_KEEP, *ENV_ALLOW, *options["env_allow"])
+    task_env = _importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.get("env", {})})
+    nnodes = spec["nnodes"]
+    job_name = f"nbshard-{run_dir.path.name}"[:120]
+    command = [
+        srun, f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=1",
+        f"--job-name={job_name}", *map(str, options["srun_args"]),
+        sys.executable, "-m", "nbshard.backends.slurm", str(run_dir.path),
+    ]
+    forward = Forwarder(spec["address"])
+    step = SlurmStep(run_dir, command, task_env, forward, job_name)
+    nodes = [SlurmNode(step, run_dir.node(k), k) for k in range(nnodes)]
+
+    def cleanup() -> None:
+        step.close()
+        forward.close()
+
+    return NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()), cleanup)
+
+
+# -- a node's side: one srun task --------------------------------------------------
+
+
+def _node_address(name: str) -> str:
+    """The address Slurm reaches this node at (its NodeAddr), else its name resolved."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=10).stdout
+        for field in out.split():
+            if field.startswith("NodeAddr="):
+                return field.split("=", 1)[1]
+    return socket.gethostbyname(name)
+
+
+def _rendezvous(run_dir: RunDir, node_rank: int) -> tuple[str, int]:
+    """Node 0 publishes its address and a port free on it; the other nodes read them."""
+    published = run_dir.path / "nodes" / "master.json"
+    if node_rank == 0:
+        where = {"addr": _node_address(os.environ.get("SLURMD_NODENAME", socket.gethostname())), "port": pick_port(None)}
+        write_json(published, where)
+        return where["addr"], where["port"]
+    deadline = time.monotonic() + MASTER_WAIT
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node 0 never published the rendezvous address in {published}: is the run directory on a filesystem every node shares?")
+        time.sleep(0.05)
+    where = read_json(published)
+    return where["addr"], where["port"]
+
+
+def _relay(socket_: Any, out: Any) -> None:
+    """Each frame the ranks and the launcher send, as one line on stdout (srun brings it home)."""
+    with contextlib.suppress(zmq.ZMQError, OSError, ValueError):
+        while True:
+            frames = socket_.recv_multipart()
+            out.write((FRAME_PREFIX + " ".join(base64.b64encode(f).decode() for f in frames) + "\n").encode())
+            out.flush()
+
+
+def _pass_on(launcher: Any) -> None:
+    """What srun brings to this task's stdin (the kernel's cancel or kill, then its end of file
+    when the kernel dies) goes to the launcher, as a kernel on this node would write it."""
+    with contextlib.suppress(OSError):
+        while data := os.read(sys.stdin.fileno(), 64):
+            launcher.request(data)
+    launcher.end_input()
+
+
+# srun's step variables would tell Lightning (SLURMEnvironment) that srun started the ranks,
+# one task per node; the ranks are torchrun-style instead. The job's own variables stay.
+_STEP_VARIABLES = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_", "SLURM_TASK", "SLURM_NNODES")
+
+
+def main(run_dir: str) -> int:
+    """One srun task: this node's directory, the rendezvous, the relay, then the launcher."""
+    from nbshard.backends.local import _start_cold
+
+    paths = RunDir(Path(run_dir))
+    spec = read_json(paths.launch)
+    node_rank = int(os.environ["SLURM_NODEID"])
+    node_dir = paths.node(node_rank)
+    node_dir.path.mkdir(parents=True, mode=0o700, exist_ok=True)
+    master_addr, port = _rendezvous(paths, node_rank)
+    context = zmq.Context()
+    relay = context.socket(zmq.PULL)
+    relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    address = f"tcp://127.0.0.1:{relay.bind_to_random_port('tcp://127.0.0.1')}"
+    threading.Thread(target=_relay, args=(relay, sys.stdout.buffer), daemon=True).start()
+    write_atomic(node_dir.key, paths.key.read_bytes())
+    if paths.job.exists():
+        write_atomic(node_dir.job, paths.job.read_bytes())
+    write_json(node_dir.launch, {
+        **spec, "node_rank": node_rank, "master_addr": master_addr, "master_port": spec["master_port"] or port,
+        "address": address, "kernel_pid": os.getpid(),
+    })
+    # The launcher's stdin is this task's: srun's, which carries the kernel's words and its end.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARIABLES)}
+    launcher = _start_cold(node_dir, env, spec["cwd"] if os.path.isdir(spec["cwd"]) else str(node_dir.path))
+    threading.Thread(target=_pass_on, args=(launcher,), daemon=True).start()
+    code = launcher.wait()
+    time.sleep(0.5)  # the launcher's last frames, through the relay
+    launcher.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

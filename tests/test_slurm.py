@@ -1,0 +1,115 @@
+"""backend="slurm": srun starts one task per node, and each runs nbshard's launcher. A real Slurm
+cluster of two nodes (munged, slurmctld, two slurmd) on this machine, on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import nbshard
+import programs
+from conftest import nbshard_processes
+from slurm_cluster import SlurmCluster, missing
+from test_nodes import node_environment
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Not under pytest's private temporary directories: munged wants every directory above its socket searchable.
+    root = Path(tempfile.mkdtemp(prefix="nbshard-slurm-"))
+    root.chmod(0o755)
+    started = SlurmCluster(root / "cluster")
+    yield started
+    started.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm(cluster, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    yield cluster
+    deadline = time.monotonic() + 20
+    while cluster.jobs() and time.monotonic() < deadline:  # every allocation a test made is released
+        time.sleep(0.2)
+    assert not cluster.jobs(), f"Slurm jobs left behind: {cluster.jobs()}"
+
+
+def gone_within(handle: nbshard.JobHandle, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(handle.run_dir.name in cmd for cmd in nbshard_processes().values()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_each_srun_task_runs_a_nodes_ranks_with_the_multi_node_environment(slurm, capsys):
+    handle = nbshard.submit(node_environment, nproc=1, nnodes=2, backend="slurm", return_all=True)
+    handle.watch()
+    envs = handle.result()
+    assert [(e["RANK"], e["GROUP_RANK"], e["NODE_RANK"]) for e in envs] == [("0", "0", "0"), ("1", "1", "1")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and all(e["sum"] == 1.0 for e in envs)  # Slurm's NodeAddr
+    assert "[rank1]: rank 1 of 2 on node 1" in capsys.readouterr().out  # streamed through srun's output
+    assert "rank 1 of 2 on node 1" in handle.logs(1)
+    assert sorted(handle.peak_memory()) == [0, 1]
+
+
+def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(slurm):
+    handle = nbshard.submit(programs.raise_on_rank, 1, "bad shard on node 1", 0.5, nproc=1, nnodes=2, backend="slurm")
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=120)
+    assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad shard on node 1")
+    assert gone_within(handle, 5)
+
+
+def test_cancel_stops_every_node_within_5_seconds(slurm):
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
+    while sum("nbshard.worker" in cmd and handle.run_dir.name in cmd for cmd in nbshard_processes().values()) < 2:
+        assert not handle.done(), handle.exception()
+        time.sleep(0.05)
+    time.sleep(1)
+    started = time.monotonic()
+    handle.cancel()
+    assert time.monotonic() - started < 5
+    assert isinstance(handle.exception(), nbshard.JobCancelled)
+    assert gone_within(handle, 5)
+
+
+def test_scancel_of_the_allocation_fails_the_job_saying_the_scheduler_stopped_it(slurm):
+    import subprocess
+
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
+    while sum("nbshard.worker" in cmd and handle.run_dir.name in cmd for cmd in nbshard_processes().values()) < 2:
+        assert not handle.done(), handle.exception()
+        time.sleep(0.05)
+    subprocess.run(["scancel", f"--name=nbshard-{handle.run_dir.name}"], env=slurm.env, check=True)
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=60)
+    # Slurm signals every process of the step: the ranks end by SIGTERM, which the error explains.
+    assert "was killed by SIGTERM: it was asked to stop from outside (a scheduler, a user)" in str(caught.value)
+    assert gone_within(handle, 5)
+
+
+def test_a_killed_kernel_takes_every_node_along(slurm, script):
+    kernel = script(
+        """
+        import nbshard, programs
+        handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
+        print("run", handle.run_dir.name, flush=True)
+        handle.watch()
+        """
+    )
+    run_id = kernel.wait_for("run ").split()[1]
+    kernel.wait_for("ready")
+    kernel.wait_for("ready")
+    kernel.process.kill()
+    deadline = time.monotonic() + 5  # srun's stdin ends; every task's launcher stops its ranks
+    while any(run_id in cmd for cmd in nbshard_processes().values()):
+        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel"
+        time.sleep(0.1)
