@@ -105,7 +105,8 @@ class Job:
     max_restarts: int = 0
     """How many times a failed job starts again, as torchrun's ``--max-restarts``: every rank is
     stopped and all start afresh with ``TORCHELASTIC_RESTART_COUNT`` one higher (a job that
-    saves checkpoints resumes from its last one). Cancel, timeout and a full disk never restart."""
+    saves checkpoints resumes from its last one); with several nodes, every node. Cancel, timeout
+    and a full disk never restart."""
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -169,11 +170,6 @@ def _validate(job: Job) -> None:
         raise ValueError(f"master_port must be a TCP port number (1-65535), got {job.master_port!r}")
     if isinstance(job.max_restarts, bool) or not isinstance(job.max_restarts, int) or job.max_restarts < 0:
         raise ValueError(f"max_restarts must be a whole number of restarts (0 for none), got {job.max_restarts!r}")
-    if job.max_restarts and job.nnodes > 1:
-        raise ValueError(
-            "max_restarts with nnodes > 1 is not supported yet: restart a multi-node job from the notebook "
-            "(it resumes from its checkpoint as it would after a restart), or use one node"
-        )
 
 
 # The files a run directory holds for each rank (named by its global rank), which a node's

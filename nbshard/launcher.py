@@ -390,7 +390,7 @@ class Launcher:
         if self.stop_reason is not None:  # the kernel was gone before any rank started
             return self.outcome(fixed_port or 0)
         one_node = self.spec.get("nnodes", 1) == 1  # else the port is node 0's, chosen for every node
-        port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, 0, 0
+        port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, self.spec.get("restart_count", 0), 0
         while True:
             self.start_ranks(port, restart_count)
             self.supervise(deadline)
@@ -410,7 +410,7 @@ class Launcher:
         """A failure (not a cancel, a timeout or a full disk) with restarts left, the kernel waiting."""
         failed = self.stop_reason == "failed" or (self.stop_reason is None and not all(p.ok for p in self.ranks))
         return (
-            failed and not self.final and self.storage_error is None
+            failed and not self.final and self.storage_error is None and self.spec.get("nnodes", 1) == 1  # else the kernel restarts every node
             and len(self.attempts) < self.spec.get("max_restarts", 0) and self.kernel_alive()
         )
 

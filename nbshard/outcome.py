@@ -146,7 +146,7 @@ def collect(
         lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome["lost_nodes"].items())
         exception = JobFailed(
             f"The job failed because {lost}. The errors of the other nodes' ranks follow from it "
-            "(a peer gone from a collective).", failures, where,
+            f"(a peer gone from a collective).{earlier}", failures, where,
         )
     else:
         first = f"on rank {failures[0].rank}" if failures else "(no rank reported why)"

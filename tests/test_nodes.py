@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 import nbshard
 import programs
+import restart_jobs
 from conftest import processes_of, wait_until_gone
 from test_failures import wait_for_output
 
@@ -100,10 +102,28 @@ def test_a_killed_kernel_takes_every_node_along(script, runs_dir):
     assert not wait_until_gone(run_dir, within=5.0)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"nnodes": 0}, "nnodes must be a positive integer"),
-    ({"nnodes": 2, "max_restarts": 1}, "max_restarts with nnodes > 1 is not supported yet"),
-])
-def test_bad_node_options_are_refused(options, message):
-    with pytest.raises(ValueError, match=message):
-        nbshard.Job(print, **options)
+def test_nnodes_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="nnodes must be a positive integer"):
+        nbshard.Job(print, nnodes=0)
+
+
+def test_a_failure_on_one_node_restarts_every_node_from_the_checkpoint(tmp_path, capsys):
+    handle = nbshard.submit(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 3, 1, 1, nproc=1, nnodes=2, max_restarts=2)
+    handle.watch()
+    assert handle.result() == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 2}
+    [attempt] = handle.attempts
+    assert (attempt["rank"], attempt["cause"]) == (1, "on rank 1: RuntimeError: boom at step 3 in attempt 0")
+    kept = Path(attempt["files"])
+    assert (kept / "error-1.json").exists() and (kept / "nodes" / "node-1" / "outcome.json").exists()
+    assert "attempt 1 failed on rank 1: RuntimeError: boom at step 3 in attempt 0; starting every node again" in capsys.readouterr().out
+    log = handle.logs(1)  # every attempt, in order
+    assert log.index("attempt 0 starts at step 0") < log.index("[nbshard] attempt 1 failed") < log.index("attempt 1 starts at step 3")
+
+
+def test_a_multi_node_job_out_of_restarts_names_every_attempt(tmp_path):
+    with pytest.raises(nbshard.JobFailed) as caught:
+        nbshard.run(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 2, 1, 10, nproc=1, nnodes=2, max_restarts=1)
+    assert str(caught.value).startswith(
+        "The job failed on rank 1. This was attempt 2, after 1 restart: attempt 1 failed on rank 1: RuntimeError: boom at step 2 in attempt 0."
+    )
+    assert not wait_until_gone(caught.value.run_dir, within=5.0)

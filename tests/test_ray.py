@@ -163,3 +163,15 @@ def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
             os.kill(actor_pid, signal.SIGCONT)
     assert "node 1 was lost: its Ray actor did not answer for 3 s" in str(caught.value)
     assert gone_within(handle, 5)
+
+
+def test_a_failure_restarts_every_node_on_the_same_actors(cluster, tmp_path):
+    import restart_jobs
+
+    handle = nbshard.submit(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 3, 1, 1,
+                            nproc=1, nnodes=2, backend="ray", max_restarts=1)
+    assert handle.result(timeout=120) == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 1}
+    assert handle.attempts[0]["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
+    log = handle.logs(1)  # both attempts' lines came home from the node
+    assert log.index("attempt 0 starts at step 0") < log.index("[nbshard] attempt 1 failed") < log.index("attempt 1 starts at step 3")
+    assert gone_within(handle, 5)

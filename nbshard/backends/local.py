@@ -124,23 +124,31 @@ class LocalNode:
 
 
 def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:
-    """Each node a launcher of its own, in its own directory under the run's; node 0's port."""
-    port = pick_port(spec["master_port"])
-    nodes = []
-    try:
-        for node_rank in range(spec["nnodes"]):
-            node_dir = run_dir.node(node_rank)
-            node_dir.path.mkdir(parents=True, mode=0o700)
-            write_atomic(node_dir.key, run_dir.key.read_bytes())
-            if run_dir.job.exists():
-                os.link(run_dir.job, node_dir.job)
-            write_json(node_dir.launch, {**spec, "node_rank": node_rank, "master_port": port})
-            nodes.append(LocalNode(_start_node(node_dir, env, cwd, preload), node_dir))
-    except BaseException:
-        for node in nodes:
-            node.kill()
-        raise
-    group = NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()))
+    """Each node a launcher of its own, in its own directory under the run's."""
+
+    def launch(restart_count: int) -> list[LocalNode]:
+        port = pick_port(spec["master_port"])  # node 0's, for every node
+        nodes: list[LocalNode] = []
+        try:
+            for node_rank in range(spec["nnodes"]):
+                node_dir = run_dir.node(node_rank)
+                node_dir.path.mkdir(parents=True, mode=0o700)
+                write_atomic(node_dir.key, run_dir.key.read_bytes())
+                if run_dir.job.exists():
+                    os.link(run_dir.job, node_dir.job)
+                write_json(node_dir.launch, {**spec, "node_rank": node_rank, "master_port": port, "restart_count": restart_count})
+                nodes.append(LocalNode(_start_node(node_dir, env, cwd, preload), node_dir))
+        except BaseException:
+            for node in nodes:
+                node.kill()
+            raise
+        return nodes
+
+    nodes = launch(0)
+    group = NodeGroup(
+        run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()),
+        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
+    )
     group.note = next((node.launcher.note for node in nodes if node.launcher.note), None)
     return group
 

@@ -28,7 +28,7 @@ from nbshard.files import read_json, write_json
 from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
 from nbshard.wire import Sender
 
-__all__ = ["Forwarder", "Node", "NodeGroup", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome"]
+__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome"]
 
 POLL = 0.05
 END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
@@ -50,9 +50,15 @@ class NodeGroup:
 
     note: str | None = None
 
-    def __init__(self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any, cleanup: Any = None) -> None:
+    def __init__(
+        self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any, cleanup: Any = None,
+        *, relaunch: Any = None, max_restarts: int = 0, address: str = "",
+    ) -> None:
         self.nodes = list(nodes)
         self._cleanup = cleanup  # what the backend frees once, when the run is over
+        self._relaunch = relaunch  # relaunch(restart_count) -> fresh nodes, for max_restarts
+        self._max_restarts = max_restarts
+        self._address = address  # the kernel's socket, for notes
         self._run_dir = run_dir
         self._nproc = nproc
         self._send_end = send_end
@@ -60,6 +66,7 @@ class NodeGroup:
         self._stopping_for: int | None = None  # the node whose end stopped the others
         self._ended: dict[int, float] = {}
         self._lost: dict[int, str] = {}
+        self.attempts: list[dict[str, Any]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"nbshard-nodes-{run_dir.path.name}", daemon=True)
         self._thread.start()
@@ -96,22 +103,75 @@ class NodeGroup:
 
     def _supervise(self) -> None:
         try:
-            while len(self._ended) < len(self.nodes):
-                for index, node in enumerate(self.nodes):
-                    if index not in self._ended:
-                        self._check(index, node)
-                time.sleep(POLL)
-            for node in self.nodes:
-                with contextlib.suppress(Exception):
-                    node.bring_home(self._run_dir)
-            outcome = merge_outcomes(
-                [None if i in self._lost else node.outcome() for i, node in enumerate(self.nodes)],
-                self._lost, self._ended, self._nproc, cancelled=self._asked is not None,
-            )
+            restart_count = 0
+            while True:
+                outcome = self._run_attempt()
+                if not self._may_restart(outcome):
+                    break
+                self._note(self._set_aside(outcome, restart_count))
+                restart_count += 1
+                for node in self.nodes:
+                    with contextlib.suppress(Exception):
+                        node.close()
+                self.nodes = self._relaunch(restart_count)
+                self._stopping_for, self._ended, self._lost = None, {}, {}
+                if self._asked is not None:  # a cancel that came while the nodes restarted
+                    self.request(self._asked)
+            outcome["attempts"] = self.attempts
             write_json(self._run_dir.outcome, outcome)
             self._send_end({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]})
         finally:
             self._done.set()
+
+    def _run_attempt(self) -> dict[str, Any]:
+        """Supervise the nodes until each has ended; their files home, their outcomes merged."""
+        while len(self._ended) < len(self.nodes):
+            for index, node in enumerate(self.nodes):
+                if index not in self._ended:
+                    self._check(index, node)
+            time.sleep(POLL)
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.bring_home(self._run_dir)
+        return merge_outcomes(
+            [None if i in self._lost else node.outcome() for i, node in enumerate(self.nodes)],
+            self._lost, self._ended, self._nproc, cancelled=self._asked is not None and self._stopping_for is None,
+        )
+
+    def _may_restart(self, outcome: dict[str, Any]) -> bool:
+        return (
+            outcome["status"] == "failed" and self._asked is None and not outcome["storage_error"]
+            and self._relaunch is not None and len(self.attempts) < self._max_restarts
+        )
+
+    def _set_aside(self, outcome: dict[str, Any], restart_count: int) -> str:
+        """Keep the failed attempt's files (the nodes' directories too) and say why it failed."""
+        from nbshard import attempts
+
+        folder = attempts.set_aside(self._run_dir, (entry["rank"] for entry in outcome["ranks"]), restart_count)
+        with contextlib.suppress(OSError):
+            os.replace(self._run_dir.path / "nodes", folder / "nodes")
+        if outcome["lost_nodes"]:
+            rank, why = None, "because " + "; ".join(f"node {node} was lost: {text}" for node, text in outcome["lost_nodes"].items())
+        else:
+            failed = [e for e in outcome["ranks"] if not e["ok"] and not e["stopped"]] or [e for e in outcome["ranks"] if not e["ok"]]
+            first = min(failed, key=lambda e: e["ended"] or 0)
+            rank, why = first["rank"], attempts.cause(folder / self._run_dir.error(first["rank"]).name, first["rank"], first["exitcode"])
+        self.attempts.append({"attempt": len(self.attempts) + 1, "rank": rank, "cause": why, "files": str(folder)})
+        text = (
+            f"attempt {len(self.attempts)} failed {why}; starting every node again "
+            f"(restart {len(self.attempts)} of {self._max_restarts}, TORCHELASTIC_RESTART_COUNT={restart_count + 1})"
+        )
+        for entry in outcome["ranks"]:
+            with contextlib.suppress(OSError):
+                append_home(self._run_dir, self._run_dir.log(entry["rank"]).name, f"\n[nbshard] {text}\n".encode())
+        return text
+
+    def _note(self, text: str) -> None:
+        with contextlib.suppress(Exception):
+            sender = Sender(self._address, self._run_dir.key.read_bytes())
+            sender.send({"kind": "event", "event": "note", "text": text}, wait=END_SEND_WAIT)
+            sender.close()
 
     def _check(self, index: int, node: Node) -> None:
         why = node.lost()
@@ -177,7 +237,21 @@ def move_rank_files(node_dir: RunDir, run_dir: RunDir) -> None:
     """A node's rank files (on this machine or a shared filesystem) into the run's directory."""
     for path in node_dir.path.iterdir():
         if path.name.startswith(RANK_FILES):
-            os.replace(path, run_dir.path / path.name)
+            if path.name.startswith(APPENDED):
+                append_home(run_dir, path.name, path.read_bytes())
+                path.unlink()
+            else:
+                os.replace(path, run_dir.path / path.name)
+
+
+APPENDED = ("rank-", "metrics-")  # a rank's log and metrics hold every attempt of a restarted job
+
+
+def append_home(run_dir: RunDir, name: str, data: bytes) -> None:
+    """Add ``data`` to the run's file ``name`` (made private when it is new)."""
+    fd = os.open(run_dir.path / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
 
 
 def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:

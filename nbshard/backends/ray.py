@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender
+from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, end_sender
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RANK_FILES, RunDir
 from nbshard.ports import pick_port
@@ -79,8 +80,9 @@ class NodeAgent:
         first job, so a kept actor's later jobs launch warm) when ``preload`` is given."""
         from nbshard.backends.local import _start_node
 
-        self.frames.clear()  # a kept actor: nothing of the last run goes to this one
+        self.frames.clear()  # a kept actor: nothing of the last run (or attempt) goes to this one
         self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
+        shutil.rmtree(self.run_dir.path, ignore_errors=True)  # a restarted job's last attempt
         self.run_dir.path.mkdir(parents=True, mode=0o700)
         write_atomic(self.run_dir.key, key)
         if job is not None:
@@ -117,8 +119,6 @@ class NodeAgent:
 
     def clean(self, keep: bool) -> None:
         """Remove the run's directory (and, unless the actor is kept, the actor's own)."""
-        import shutil
-
         if self.launcher is not None:
             self.launcher.close()
         shutil.rmtree(self.run_dir.path.parent if keep and self.run_dir else self.folder, ignore_errors=True)
@@ -127,8 +127,9 @@ class NodeAgent:
 class RayNode:
     """One node of the run, seen from the kernel: its actor, pumped by a thread of its own."""
 
-    def __init__(self, actor: Any, node_rank: int, forward: Any, heartbeat: float, keep: bool) -> None:
-        self.actor, self.node_rank, self.keep = actor, node_rank, keep
+    def __init__(self, actor: Any, node_rank: int, forward: Any, heartbeat: float) -> None:
+        self.actor, self.node_rank = actor, node_rank
+        self.killed = False  # a killed actor is not used again
         self._forward = forward
         self._heartbeat = heartbeat
         self._exit: int | None = None
@@ -176,7 +177,7 @@ class RayNode:
     def kill(self) -> None:
         import ray
 
-        self.keep = False  # a killed run's actors are not used again
+        self.killed = True
         self.actor.kill.remote()
         ray.kill(self.actor)
 
@@ -184,17 +185,19 @@ class RayNode:
         import ray
 
         for name, size in ray.get(self.actor.rank_files.remote(), timeout=self._heartbeat).items():
-            pieces = [ray.get(self.actor.read.remote(name, offset)) for offset in range(0, max(size, 1), CHUNK)]
-            write_atomic(run_dir.path / name, b"".join(pieces))
+            pieces = b"".join(ray.get(self.actor.read.remote(name, offset)) for offset in range(0, max(size, 1), CHUNK))
+            if name.startswith(APPENDED):
+                append_home(run_dir, name, pieces)
+            else:
+                write_atomic(run_dir.path / name, pieces)
 
     def close(self) -> None:
+        """Remove this run's directory on the node; the actor itself is the backend's to keep or free."""
         import ray
 
-        self.keep = self.keep and self._lost is None
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.actor.clean.remote(self.keep), timeout=10)
-        if not self.keep:
-            ray.kill(self.actor)
+        if self._lost is None and not self.killed:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(self.actor.clean.remote(True), timeout=10)
 
 
 def _options(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -226,35 +229,59 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
     nnodes = spec["nnodes"]
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}), **options["resources"]}
     pool_key = repr((nnodes, sorted(bundle.items())))
-    kept = _KEPT.pop(pool_key, None) if options["keep"] else None
-    group, actors = kept if kept is not None else _place(ray, nnodes, bundle, options)
     key = run_dir.key.read_bytes()
-    try:
-        job = run_dir.job.read_bytes() if run_dir.job.exists() else None
-        master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
-        port = spec["master_port"] or port
-        node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
-        ray.get([
-            actor.start.remote(
-                {**spec, "node_rank": i, "master_addr": master_addr, "master_port": port}, key, job, node_env,
-                list(preload) if preload is not None and options["keep"] else None,  # warm pays off in kept actors
-            )
-            for i, actor in enumerate(actors)
-        ], timeout=options["place_timeout"])
-    except BaseException:
-        _free(ray, group, actors)
-        raise
+    job = run_dir.job.read_bytes() if run_dir.job.exists() else None
+    node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
     forward = Forwarder(spec["address"])
-    nodes = [RayNode(actor, i, forward.send, options["heartbeat"], options["keep"]) for i, actor in enumerate(actors)]
+    current: dict[str, Any] = {"nodes": [], "placed": None}  # the attempt's nodes, and its placement and actors
+
+    def usable(nodes: list[RayNode]) -> bool:
+        return all(node.lost() is None and not node.killed for node in nodes)
+
+    def launch(restart_count: int) -> list[RayNode]:
+        if current["placed"] is None or not usable(current["nodes"]):  # else a restart reuses the actors
+            if current["placed"] is not None:
+                _free(ray, *current["placed"])
+            kept = _KEPT.pop(pool_key, None) if options["keep"] else None
+            current["placed"] = kept if kept is not None else _place(ray, nnodes, bundle, options)
+        group, actors = current["placed"]
+        try:
+            master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
+            node_spec = {**spec, "master_addr": master_addr, "master_port": spec["master_port"] or port, "restart_count": restart_count}
+            ray.get([
+                actor.start.remote(
+                    {**node_spec, "node_rank": i}, key, job, node_env,
+                    list(preload) if preload is not None and options["keep"] else None,  # warm pays off in kept actors
+                )
+                for i, actor in enumerate(actors)
+            ], timeout=options["place_timeout"])
+        except BaseException:
+            _free(ray, group, actors)
+            current["placed"] = None
+            raise
+        current["nodes"] = [RayNode(actor, i, forward.send, options["heartbeat"]) for i, actor in enumerate(actors)]
+        return current["nodes"]
+
+    try:
+        nodes = launch(0)
+    except BaseException:
+        forward.close()
+        raise
 
     def cleanup() -> None:
+        """Keep the actors when asked and all are healthy, else free them and their placement."""
         forward.close()
-        if all(node.keep for node in nodes) and pool_key not in _KEPT:
-            _KEPT[pool_key] = (group, actors)
+        if current["placed"] is None:
+            return
+        if options["keep"] and usable(current["nodes"]) and pool_key not in _KEPT:
+            _KEPT[pool_key] = current["placed"]
         else:
-            _free(ray, group, [node.actor for node in nodes if node.keep])
+            _free(ray, *current["placed"])
 
-    return NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], key), cleanup)
+    return NodeGroup(
+        run_dir, nodes, spec["nproc"], end_sender(spec["address"], key), cleanup,
+        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
+    )
 
 
 _KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same
@@ -289,8 +316,11 @@ def _place(ray: Any, nnodes: int, bundle: dict[str, Any], options: dict[str, Any
 
 
 def _free(ray: Any, group: Any, actors: Sequence[Any]) -> None:
+    """Remove the actors' directories (where they still answer), kill them, free their placement."""
     from ray.util.placement_group import remove_placement_group
 
+    with contextlib.suppress(Exception):
+        ray.get([actor.clean.remote(False) for actor in actors], timeout=5)
     for actor in actors:
         with contextlib.suppress(Exception):
             ray.kill(actor)

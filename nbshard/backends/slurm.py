@@ -175,20 +175,28 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
     task_env = _importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.get("env", {})})
     nnodes = spec["nnodes"]
     job_name = f"nbshard-{run_dir.path.name}"[:120]
-    command = [
-        srun, f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=1",
-        f"--job-name={job_name}", *map(str, options["srun_args"]),
-        sys.executable, "-m", "nbshard.backends.slurm", str(run_dir.path),
-    ]
     forward = Forwarder(spec["address"])
-    step = SlurmStep(run_dir, command, task_env, forward, job_name)
-    nodes = [SlurmNode(step, run_dir.node(k), k) for k in range(nnodes)]
+    steps: list[SlurmStep] = []
+
+    def launch(restart_count: int) -> list[SlurmNode]:
+        if steps:
+            steps[-1].close()  # the failed attempt's srun, ending by itself
+        command = [
+            srun, f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--input=all", "--kill-on-bad-exit=1",
+            f"--job-name={job_name}", *map(str, options["srun_args"]),
+            sys.executable, "-m", "nbshard.backends.slurm", str(run_dir.path), str(restart_count),
+        ]
+        steps.append(SlurmStep(run_dir, command, task_env, forward, job_name))
+        return [SlurmNode(steps[-1], run_dir.node(k), k) for k in range(nnodes)]
 
     def cleanup() -> None:
-        step.close()
+        steps[-1].close()
         forward.close()
 
-    return NodeGroup(run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()), cleanup)
+    return NodeGroup(
+        run_dir, launch(0), spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()), cleanup,
+        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
+    )
 
 
 # -- a node's side: one srun task --------------------------------------------------
@@ -243,7 +251,7 @@ def _pass_on(launcher: Any) -> None:
 _STEP_VARIABLES = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_", "SLURM_TASK", "SLURM_NNODES")
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, restart_count: int = 0) -> int:
     """One srun task: this node's directory, the rendezvous, the relay, then the launcher."""
     from nbshard.backends.local import _start_cold
 
@@ -263,7 +271,7 @@ def main(run_dir: str) -> int:
         write_atomic(node_dir.job, paths.job.read_bytes())
     write_json(node_dir.launch, {
         **spec, "node_rank": node_rank, "master_addr": master_addr, "master_port": spec["master_port"] or port,
-        "address": address, "kernel_pid": os.getpid(),
+        "address": address, "kernel_pid": os.getpid(), "restart_count": restart_count,
     })
     # The launcher's stdin is this task's: srun's, which carries the kernel's words and its end.
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARIABLES)}
@@ -276,4 +284,4 @@ def main(run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
