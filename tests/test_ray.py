@@ -3,7 +3,9 @@ cluster of two nodes (two raylets on this machine), on loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import importlib.util
 import os
 import signal
 import time
@@ -13,6 +15,8 @@ import pytest
 # Before Ray is imported: Ray then gives its nodes the loopback address (not this machine's
 # network address), so the tests' traffic, the ranks' rendezvous included, stays on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# How long Ray's client server keeps a vanished Ray Client driver's actors (30 s by default).
+os.environ["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = "3"
 ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 'nbshard[ray]'")
 
 import nbshard  # noqa: E402
@@ -28,7 +32,13 @@ pytestmark = pytest.mark.timeout(180)
 def cluster():
     from ray.cluster_utils import Cluster
 
-    started = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    from nbshard.ports import pick_port
+
+    head = {"num_cpus": 1, "include_dashboard": False}
+    if importlib.util.find_spec("grpc") is not None:  # ray[client]: a client server for the Ray Client test
+        head["ray_client_server_port"] = pick_port()
+    started = Cluster(initialize_head=True, head_node_args=head)
+    started.client_port = head.get("ray_client_server_port")
     started.add_node(num_cpus=1)
     ray.init(address=started.address, log_to_driver=False)
     yield started
@@ -159,7 +169,7 @@ def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
         with pytest.raises(nbshard.JobFailed) as caught:
             handle.result(timeout=60)
     finally:
-        with __import__("contextlib").suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
             os.kill(actor_pid, signal.SIGCONT)
     assert "node 1 was lost: its Ray actor did not answer for 3 s" in str(caught.value)
     assert gone_within(handle, 5)
@@ -175,3 +185,30 @@ def test_a_failure_restarts_every_node_on_the_same_actors(cluster, tmp_path):
     log = handle.logs(1)  # both attempts' lines came home from the node
     assert log.index("attempt 0 starts at step 0") < log.index("[nbshard] attempt 1 failed") < log.index("attempt 1 starts at step 3")
     assert gone_within(handle, 5)
+
+
+def test_a_kernel_on_ray_client_runs_jobs_and_its_death_takes_the_nodes_along(cluster, script):
+    if cluster.client_port is None:
+        pytest.skip("Ray Client needs ray[client] (grpcio)")
+    kernel = script(
+        f"""
+        import os
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray, nbshard, programs
+        ray.init("ray://127.0.0.1:{cluster.client_port}")
+        print("values", nbshard.run(programs.rank_and_value, 7, nproc=1, nnodes=2, backend="ray", return_all=True), flush=True)
+        handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
+        print("run", handle.run_dir.name, flush=True)
+        handle.watch()
+        """
+    )
+    assert kernel.wait_for("values ", timeout=120).strip().endswith("[0, 7]")
+    run_id = kernel.wait_for("run ").split()[1]
+    kernel.wait_for("ready")
+    kernel.wait_for("ready")
+    kernel.process.kill()
+    # Ray's client server keeps a lost client's actors for its reconnect grace period (3 s here).
+    deadline = time.monotonic() + 3 + 5
+    while any(run_id in cmd for cmd in nbshard_processes().values()):
+        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel and the grace period"
+        time.sleep(0.1)
