@@ -68,12 +68,13 @@ def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, nproc: int) ->
 
 
 def _earlier_attempts(outcome: dict[str, Any]) -> str:
-    """The failed attempts before this one, for the error's message ('' without restarts)."""
+    """The failed attempts before this one, a line of the error's message ('' without restarts;
+    the first line, which the live view's heading shows, stays short)."""
     attempts = outcome.get("attempts") or []
     if not attempts:
         return ""
     causes = "; ".join(f"attempt {a['attempt']} failed {a['cause']}" for a in attempts)
-    return f" This was attempt {len(attempts) + 1}, after {len(attempts)} restart{'s' * (len(attempts) > 1)}: {causes}."
+    return f"\nThis was attempt {len(attempts) + 1}, after {len(attempts)} restart{'s' * (len(attempts) > 1)}: {causes}."
 
 
 def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:

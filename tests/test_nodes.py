@@ -124,6 +124,6 @@ def test_a_multi_node_job_out_of_restarts_names_every_attempt(tmp_path):
     with pytest.raises(nbshard.JobFailed) as caught:
         nbshard.run(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 2, 1, 10, nproc=1, nnodes=2, max_restarts=1)
     assert str(caught.value).startswith(
-        "The job failed on rank 1. This was attempt 2, after 1 restart: attempt 1 failed on rank 1: RuntimeError: boom at step 2 in attempt 0."
+        "The job failed on rank 1.\nThis was attempt 2, after 1 restart: attempt 1 failed on rank 1: RuntimeError: boom at step 2 in attempt 0."
     )
     assert not wait_until_gone(caught.value.run_dir, within=5.0)

@@ -40,7 +40,7 @@ def test_a_job_that_keeps_failing_raises_once_restarts_run_out_naming_each_attem
     with pytest.raises(nbshard.JobFailed) as caught:
         nbshard.run(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 2, 1, 10, nproc=2, max_restarts=2)
     message = str(caught.value)
-    assert message.startswith("The job failed on rank 1. This was attempt 3, after 2 restarts: ")
+    assert message.startswith("The job failed on rank 1.\nThis was attempt 3, after 2 restarts: ")
     assert "attempt 1 failed on rank 1: RuntimeError: boom at step 2 in attempt 0; " in message
     assert "attempt 2 failed on rank 1: RuntimeError: boom at step 2 in attempt 1." in message
     assert str(caught.value.__cause__) == "boom at step 2 in attempt 2"  # the last attempt's own error
