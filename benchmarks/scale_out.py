@@ -7,6 +7,8 @@ an all_reduce, return. Two "nodes" on this machine:
 - ``nbshard.run(nnodes=2, backend="ray")`` on a local 2-node Ray cluster (two raylets),
   fresh actors each job, and with ``keep=True`` (actors kept between jobs);
 - torchrun with two c10d agents (``--nnodes 2 --rdzv-backend c10d``), one per node;
+- ``nbshard.run(nnodes=2, backend="slurm")`` when this machine reaches a Slurm cluster with
+  two idle nodes (``sinfo``; e.g. the test suite's, ``tests/slurm_cluster.py``);
 - for scale, ``nbshard.run(nproc=2)``: the same two ranks on one node (warm).
 
 Prints medians (and min/max) of the total and of the time from the call to the job's first
@@ -84,6 +86,15 @@ def torchrun_launch(script: Path):
     return launch
 
 
+def slurm_has_two_idle_nodes() -> bool:
+    import shutil
+
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], capture_output=True, text=True).stdout.split()
+    return sum(map(int, out)) >= 2
+
+
 def main(rounds: int = 5) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -107,6 +118,8 @@ def main(rounds: int = 5) -> None:
                 "nbshard ray, kept": nbshard_launch(job, nproc=1, nnodes=2, backend="ray", backend_options={"keep": True}),
                 "nbshard 1 node x 2": nbshard_launch(job, nproc=2),
             }
+            if slurm_has_two_idle_nodes():
+                ways["nbshard slurm"] = nbshard_launch(job, nproc=1, nnodes=2, backend="slurm")
             for launch in ways.values():  # page cache, the warm process, the kept actors
                 timed(root, launch)
             times: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
