@@ -120,6 +120,7 @@ class Launcher:
         self.first_failure: int | None = None
         self.term_at = self.kill_at = float("inf")
         self.signalled: str | None = None
+        self.signal_received: str | None = None
         self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
         self.final = False  # cancelled, or the kernel is gone: a failure now is not restarted
         self.attempts: list[dict[str, Any]] = []  # the failed attempts that were restarted
@@ -134,6 +135,7 @@ class Launcher:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = "cancelled"
+        self.signal_received = signal_name(signum)  # from outside: a user, or a scheduler (scancel)
         self.final = True
 
     # -- messages ---------------------------------------------------------
@@ -452,6 +454,7 @@ class Launcher:
             "master_port": port,
             "notes": self.notes,
             "attempts": self.attempts,
+            "signal_received": self.signal_received,
             "dropped_lines": {str(rank): count for rank, count in self.dropped_total.items()},
             "lines_sent": {str(rank): count for rank, count in self.lines_sent.items()},
             "ranks": [

@@ -143,6 +143,13 @@ def collect(
         )
     elif status == "cancelled":
         exception = JobCancelled(f"The job was cancelled and its ranks were stopped.{earlier}", failures, where)
+    elif outcome.get("stopped_from_outside") and not outcome.get("lost_nodes"):
+        which = ", ".join(f"node {node}'s got {name}" for node, name in outcome["stopped_from_outside"].items())
+        exception = JobFailed(
+            f"The job was stopped from outside: the launchers were signalled ({which}), as a scheduler does "
+            f"when the allocation is cancelled (scancel), preempted or out of time, or a user's kill.{earlier}",
+            failures, where,
+        )
     elif outcome.get("lost_nodes"):
         lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome["lost_nodes"].items())
         exception = JobFailed(

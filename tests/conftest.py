@@ -53,6 +53,29 @@ def processes_of(run_dir: Path | str) -> dict[int, str]:
     return {pid: cmd for pid, cmd in nbshard_processes().items() if str(run_dir) in cmd}
 
 
+def processes_of_run(run_id: str) -> dict[int, str]:
+    """The launchers and ranks of a run on every node (each node's directory is named after the run)."""
+    return {pid: cmd for pid, cmd in nbshard_processes().items() if run_id in cmd}
+
+
+def run_gone_within(run_id: str, seconds: float) -> bool:
+    """True once no launcher or rank of the run is left on any node, within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while processes_of_run(run_id):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_for_ranks(handle: nbshard.JobHandle, count: int, within: float = 60) -> None:
+    """Wait until ``count`` rank processes of the job run (on whichever nodes)."""
+    deadline = time.monotonic() + within
+    while sum("nbshard.worker" in cmd for cmd in processes_of_run(handle.run_dir.name).values()) < count:
+        assert time.monotonic() < deadline and not handle.done(), f"the ranks never all started: {handle.exception(0) if handle.done() else ''}"
+        time.sleep(0.05)
+
+
 def wait_until_gone(run_dir: Path | str, within: float) -> dict[int, str]:
     """The processes of ``run_dir`` still alive after ``within`` seconds (empty when all went)."""
     deadline = time.monotonic() + within

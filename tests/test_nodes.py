@@ -127,3 +127,17 @@ def test_a_multi_node_job_out_of_restarts_names_every_attempt(tmp_path):
         "The job failed on rank 1.\nThis was attempt 2, after 1 restart: attempt 1 failed on rank 1: RuntimeError: boom at step 2 in attempt 0."
     )
     assert not wait_until_gone(caught.value.run_dir, within=5.0)
+
+
+def test_launchers_signalled_from_outside_say_so(tmp_path):
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2)
+    wait_for_output(handle, "ready", range(2))
+    for pid, cmd in processes_of(handle.run_dir).items():
+        if "nbshard.launcher" in cmd:
+            os.kill(pid, signal.SIGTERM)  # as Slurm's scancel signals every process of a step
+    with pytest.raises(nbshard.JobFailed) as caught:
+        handle.result(timeout=30)
+    assert str(caught.value).startswith(
+        "The job was stopped from outside: the launchers were signalled (node 0's got SIGTERM, node 1's got SIGTERM)"
+    )
+    assert not wait_until_gone(handle.run_dir, within=5.0)

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 
 
 import nbshard  # noqa: E402
 import programs  # noqa: E402
-from conftest import nbshard_processes  # noqa: E402
+from conftest import processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.ray import node_environment  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
@@ -46,20 +46,6 @@ def cluster():
     started.shutdown()
 
 
-def processes_of_run(handle: nbshard.JobHandle) -> dict[int, str]:
-    """The launchers and ranks of a run on every node (each node's directory is named after it)."""
-    return {pid: cmd for pid, cmd in nbshard_processes().items() if handle.run_dir.name in cmd}
-
-
-def gone_within(handle: nbshard.JobHandle, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while processes_of_run(handle):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_each_node_runs_its_ranks_with_the_multi_node_environment(cluster, capsys):
     handle = nbshard.submit(environment_of_a_rank, nproc=1, nnodes=2, backend="ray", return_all=True)
     handle.watch()
@@ -79,31 +65,29 @@ def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(cluster):
         handle.result(timeout=120)
     assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad batch on node 1")
     assert str(caught.value.__cause__) == "bad batch on node 1"
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_cancel_stops_every_node_within_5_seconds(cluster):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
-    while len(processes_of_run(handle)) < 4 and not handle.done():  # two launchers, two ranks
-        time.sleep(0.05)
+    wait_for_ranks(handle, 2)
     time.sleep(1)
     started = time.monotonic()
     handle.cancel()
     assert time.monotonic() - started < 5
     assert isinstance(handle.exception(), nbshard.JobCancelled)
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_a_node_whose_actor_dies_is_lost_and_named_first(cluster):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
-    while len(processes_of_run(handle)) < 4 and not handle.done():
-        time.sleep(0.05)
+    wait_for_ranks(handle, 2)
     ray.kill(handle._launcher.nodes[1].actor)
     with pytest.raises(nbshard.JobFailed) as caught:
         handle.result(timeout=60)
     assert str(caught.value).startswith("The job failed because node 1 was lost: its Ray actor died")
     assert caught.value.failures[0].rank == 1
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_a_killed_kernel_takes_every_actor_launcher_and_rank_along(cluster, script):
@@ -121,12 +105,9 @@ def test_a_killed_kernel_takes_every_actor_launcher_and_rank_along(cluster, scri
     run_id = kernel.wait_for("run ").split()[1]
     kernel.wait_for("ready")
     kernel.wait_for("ready")
-    assert len([cmd for cmd in nbshard_processes().values() if run_id in cmd]) == 4
+    assert len(processes_of_run(run_id)) == 4
     kernel.process.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 5  # Ray kills the driver's actors; each launcher sees its parent go
-    while any(run_id in cmd for cmd in nbshard_processes().values()):
-        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel"
-        time.sleep(0.1)
+    assert run_gone_within(run_id, 5), "a launcher or rank outlived the kernel"  # Ray kills the driver's actors
 
 
 def test_nodes_that_cannot_be_placed_are_a_clear_error(cluster):
@@ -160,9 +141,8 @@ def test_kept_actors_serve_the_next_job_and_are_freed_on_request(cluster):
 
 def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray", backend_options={"heartbeat": 3})
-    while len(processes_of_run(handle)) < 4 and not handle.done():
-        time.sleep(0.05)
-    [launcher] = [pid for pid, cmd in processes_of_run(handle).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
+    wait_for_ranks(handle, 2)
+    [launcher] = [pid for pid, cmd in processes_of_run(handle.run_dir.name).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
     actor_pid = int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])
     os.kill(actor_pid, signal.SIGSTOP)  # the node's actor stops answering; its launcher and rank run on
     try:
@@ -172,7 +152,7 @@ def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
         with contextlib.suppress(ProcessLookupError):
             os.kill(actor_pid, signal.SIGCONT)
     assert "node 1 was lost: its Ray actor did not answer for 3 s" in str(caught.value)
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_a_failure_restarts_every_node_on_the_same_actors(cluster, tmp_path):
@@ -184,7 +164,7 @@ def test_a_failure_restarts_every_node_on_the_same_actors(cluster, tmp_path):
     assert handle.attempts[0]["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
     log = handle.logs(1)  # both attempts' lines came home from the node
     assert log.index("attempt 0 starts at step 0") < log.index("[nbshard] attempt 1 failed") < log.index("attempt 1 starts at step 3")
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_a_kernel_on_ray_client_runs_jobs_and_its_death_takes_the_nodes_along(cluster, script):
@@ -208,7 +188,4 @@ def test_a_kernel_on_ray_client_runs_jobs_and_its_death_takes_the_nodes_along(cl
     kernel.wait_for("ready")
     kernel.process.kill()
     # Ray's client server keeps a lost client's actors for its reconnect grace period (3 s here).
-    deadline = time.monotonic() + 3 + 5
-    while any(run_id in cmd for cmd in nbshard_processes().values()):
-        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel and the grace period"
-        time.sleep(0.1)
+    assert run_gone_within(run_id, 3 + 5), "a launcher or rank outlived the kernel and the grace period"

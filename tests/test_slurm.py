@@ -12,7 +12,7 @@ import pytest
 
 import nbshard
 import programs
-from conftest import nbshard_processes
+from conftest import run_gone_within, wait_for_ranks
 from slurm_cluster import SlurmCluster, missing
 from test_nodes import node_environment
 
@@ -40,15 +40,6 @@ def slurm(cluster, monkeypatch):
     assert not cluster.jobs(), f"Slurm jobs left behind: {cluster.jobs()}"
 
 
-def gone_within(handle: nbshard.JobHandle, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(handle.run_dir.name in cmd for cmd in nbshard_processes().values()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_each_srun_task_runs_a_nodes_ranks_with_the_multi_node_environment(slurm, capsys):
     handle = nbshard.submit(node_environment, nproc=1, nnodes=2, backend="slurm", return_all=True)
     handle.watch()
@@ -65,35 +56,34 @@ def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(slurm):
     with pytest.raises(nbshard.JobFailed) as caught:
         handle.result(timeout=120)
     assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad shard on node 1")
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_cancel_stops_every_node_within_5_seconds(slurm):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
-    while sum("nbshard.worker" in cmd and handle.run_dir.name in cmd for cmd in nbshard_processes().values()) < 2:
-        assert not handle.done(), handle.exception()
-        time.sleep(0.05)
+    wait_for_ranks(handle, 2)
     time.sleep(1)
     started = time.monotonic()
     handle.cancel()
     assert time.monotonic() - started < 5
     assert isinstance(handle.exception(), nbshard.JobCancelled)
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_scancel_of_the_allocation_fails_the_job_saying_the_scheduler_stopped_it(slurm):
     import subprocess
 
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
-    while sum("nbshard.worker" in cmd and handle.run_dir.name in cmd for cmd in nbshard_processes().values()) < 2:
-        assert not handle.done(), handle.exception()
-        time.sleep(0.05)
+    wait_for_ranks(handle, 2)
     subprocess.run(["scancel", f"--name=nbshard-{handle.run_dir.name}"], env=slurm.env, check=True)
     with pytest.raises(nbshard.JobFailed) as caught:
         handle.result(timeout=60)
-    # Slurm signals every process of the step: the ranks end by SIGTERM, which the error explains.
-    assert "was killed by SIGTERM: it was asked to stop from outside (a scheduler, a user)" in str(caught.value)
-    assert gone_within(handle, 5)
+    # Slurm signals every process of the step: whether the launchers or the ranks took SIGTERM
+    # first, the error says the job was stopped from outside.
+    message = str(caught.value)
+    assert ("was killed by SIGTERM: it was asked to stop from outside (a scheduler, a user)" in message
+            or "The job was stopped from outside: the launchers were signalled (node " in message), message
+    assert run_gone_within(handle.run_dir.name, 5)
 
 
 def test_a_killed_kernel_takes_every_node_along(slurm, script):
@@ -109,10 +99,7 @@ def test_a_killed_kernel_takes_every_node_along(slurm, script):
     kernel.wait_for("ready")
     kernel.wait_for("ready")
     kernel.process.kill()
-    deadline = time.monotonic() + 5  # srun's stdin ends; every task's launcher stops its ranks
-    while any(run_id in cmd for cmd in nbshard_processes().values()):
-        assert time.monotonic() < deadline, "a launcher or rank outlived the kernel"
-        time.sleep(0.1)
+    assert run_gone_within(run_id, 5), "a launcher or rank outlived the kernel"  # srun's stdin ends, then every launcher
 
 
 def test_a_failure_restarts_every_node_with_a_new_srun(slurm, tmp_path):
@@ -123,4 +110,4 @@ def test_a_failure_restarts_every_node_with_a_new_srun(slurm, tmp_path):
     assert handle.result(timeout=120) == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 1}
     assert handle.attempts[0]["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
     assert "attempt 1 starts at step 3" in handle.logs(1)
-    assert gone_within(handle, 5)
+    assert run_gone_within(handle.run_dir.name, 5)

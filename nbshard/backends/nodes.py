@@ -227,6 +227,10 @@ def merge_outcomes(
         "notes": [note for o in known for note in o.get("notes", [])],
         "attempts": [],
         "lost_nodes": {str(node): why for node, why in lost.items()},
+        # Launchers stopped by a signal the kernel did not send (a scheduler's scancel, a user's kill).
+        "stopped_from_outside": {} if cancelled else {
+            str(node): o["signal_received"] for node, o in enumerate(outcomes) if o is not None and o.get("signal_received")
+        },
         "dropped_lines": {k: v for o in known for k, v in o.get("dropped_lines", {}).items()},
         "lines_sent": {k: v for o in known for k, v in o.get("lines_sent", {}).items()},
         "ranks": sorted(ranks, key=lambda entry: entry["rank"]),
