@@ -151,9 +151,11 @@ class JobHandle:
                 "(nbshard.settings.keep_runs keeps that many of the newest finished runs) or deleted."
             )
         path = self._paths.log(rank)
-        if not path.exists() and self.job.nnodes > 1:  # a node on this machine writes it until the run ends
-            path = self._paths.node(rank // (self.nproc // self.job.nnodes)).log(rank)
-        return path.read_bytes().decode(errors="replace") if path.exists() else ""
+        text = path.read_bytes() if path.exists() else b""
+        live_log = getattr(self._launcher, "live_log", None)  # several nodes: a node holds the attempt's log until it ends
+        if live_log is not None and not self.done():
+            text += live_log(rank)
+        return text.decode(errors="replace")
 
     def stacks(self) -> dict[int, str]:
         """Each stopped rank's Python stacks (every thread), taken just before it was stopped

@@ -36,7 +36,7 @@ ALLOWED = {
     "forking": {"fresh"},
     "forkserver": {"forking", "launcher"},
     "persistent": {"backends", "client", "display", "errors", "files", "handle", "job", "pickling", "session_rank", "telemetry"},
-    "backends": {"job", "backends", "files", "fresh", "ports", "wire"},
+    "backends": {"attempts", "job", "backends", "files", "fresh", "ports", "wire"},
     "outcome": {"job", "files", "errors"},
     "backlog": set(),
     "handle": {"job", "files", "wire", "errors", "backends", "backlog", "display", "outcome", "telemetry"},

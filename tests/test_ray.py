@@ -23,6 +23,7 @@ import nbshard  # noqa: E402
 import programs  # noqa: E402
 from conftest import processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.ray import node_environment  # noqa: E402
+from test_failures import wait_for_output  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,6 +43,7 @@ def cluster():
     started.add_node(num_cpus=1)
     ray.init(address=started.address, log_to_driver=False)
     yield started
+    nbshard.cancel_all()  # a job a failed test left running must not hold the cluster
     ray.shutdown()
     started.shutdown()
 
@@ -70,8 +72,7 @@ def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(cluster):
 
 def test_cancel_stops_every_node_within_5_seconds(cluster):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
-    wait_for_ranks(handle, 2)
-    time.sleep(1)
+    wait_for_output(handle, "ready", range(2))  # handle.logs reads each rank's log from its node while it runs
     started = time.monotonic()
     handle.cancel()
     assert time.monotonic() - started < 5

@@ -162,5 +162,5 @@ def test_nbshard_refuses_other_platforms(monkeypatch):
 
 
 def test_unknown_backend_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown backend 'ray'.*subprocess"):
-        nbshard.submit(programs.rank_and_value, 1, nproc=1, backend="ray")
+    with pytest.raises(ValueError, match="unknown backend 'kubernetes'; available: ray, slurm, subprocess"):
+        nbshard.submit(programs.rank_and_value, 1, nproc=1, backend="kubernetes")

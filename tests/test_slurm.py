@@ -14,6 +14,7 @@ import nbshard
 import programs
 from conftest import run_gone_within, wait_for_ranks
 from slurm_cluster import SlurmCluster, missing
+from test_failures import wait_for_output
 from test_nodes import node_environment
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(missing() is not None, reason=str(missing()))]
@@ -61,8 +62,7 @@ def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(slurm):
 
 def test_cancel_stops_every_node_within_5_seconds(slurm):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
-    wait_for_ranks(handle, 2)
-    time.sleep(1)
+    wait_for_output(handle, "ready", range(2))  # handle.logs reads each rank's log from its node while it runs
     started = time.monotonic()
     handle.cancel()
     assert time.monotonic() - started < 5
@@ -111,3 +111,25 @@ def test_a_failure_restarts_every_node_with_a_new_srun(slurm, tmp_path):
     assert handle.attempts[0]["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
     assert "attempt 1 starts at step 3" in handle.logs(1)
     assert run_gone_within(handle.run_dir.name, 5)
+
+
+def test_a_frozen_node_is_lost_after_its_heartbeat(slurm):
+    import contextlib
+    import os
+    import signal
+
+    from conftest import processes_of_run
+
+    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm", backend_options={"heartbeat": 3})
+    wait_for_ranks(handle, 2)
+    [launcher] = [pid for pid, cmd in processes_of_run(handle.run_dir.name).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
+    task = int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])  # the launcher's parent: node 1's srun task
+    os.kill(task, signal.SIGSTOP)  # node 1's task stops answering; its launcher and rank run on
+    try:
+        with pytest.raises(nbshard.JobFailed) as caught:
+            handle.result(timeout=60)
+        assert "node 1 was lost: its srun task was not heard from for 3 s" in str(caught.value)
+        assert run_gone_within(handle.run_dir.name, 20)  # srun stopped; Slurm ends the frozen task's step
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(task, signal.SIGCONT)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends.nodes import NodeGroup, end_sender, move_rank_files, node_outcome
+from nbshard.backends.nodes import NodeGroup, end_sender, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
@@ -121,6 +121,9 @@ class LocalNode:
 
     def bring_home(self, run_dir: RunDir) -> None:
         move_rank_files(self.node_dir, run_dir)
+
+    def live_log(self, rank: int) -> bytes:
+        return read_log(self.node_dir, rank)
 
 
 def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:

@@ -28,7 +28,7 @@ from nbshard.files import read_json, write_json
 from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
 from nbshard.wire import Sender
 
-__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome"]
+__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome", "read_log"]
 
 POLL = 0.05
 END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
@@ -42,6 +42,7 @@ class Node(Protocol):
     def outcome(self) -> dict[str, Any] | None: ...
     def lost(self) -> str | None: ...
     def bring_home(self, run_dir: RunDir) -> None: ...
+    def live_log(self, rank: int) -> bytes: ...
 
 
 class NodeGroup:
@@ -90,6 +91,12 @@ class NodeGroup:
         self._asked = KILL
         for node in self.nodes:
             node.kill()
+
+    def live_log(self, rank: int) -> bytes:
+        """A rank's log so far, from the node that runs it (the run's directory has it once the run ended)."""
+        with contextlib.suppress(Exception):
+            return self.nodes[rank // self._nproc].live_log(rank)
+        return b""
 
     def close(self) -> None:
         for node in self.nodes:
@@ -256,6 +263,11 @@ def append_home(run_dir: RunDir, name: str, data: bytes) -> None:
     fd = os.open(run_dir.path / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "wb") as file:
         file.write(data)
+
+
+def read_log(node_dir: RunDir, rank: int) -> bytes:
+    path = node_dir.log(rank)
+    return path.read_bytes() if path.exists() else b""
 
 
 def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:

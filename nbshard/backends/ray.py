@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, end_sender
+from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, end_sender, read_log
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RANK_FILES, RunDir
 from nbshard.ports import pick_port
@@ -112,6 +112,9 @@ class NodeAgent:
     def rank_files(self) -> dict[str, int]:
         return {p.name: p.stat().st_size for p in self.run_dir.path.iterdir() if p.name.startswith(RANK_FILES)}
 
+    def log(self, rank: int) -> bytes:
+        return read_log(self.run_dir, rank) if self.run_dir is not None else b""
+
     def read(self, name: str, offset: int) -> bytes:
         with open(self.run_dir.path / name, "rb") as file:
             file.seek(offset)
@@ -180,6 +183,11 @@ class RayNode:
         self.killed = True
         self.actor.kill.remote()
         ray.kill(self.actor)
+
+    def live_log(self, rank: int) -> bytes:
+        import ray
+
+        return ray.get(self.actor.log.remote(rank), timeout=self._heartbeat)
 
     def bring_home(self, run_dir: RunDir) -> None:
         import ray

@@ -13,9 +13,13 @@ every task, which hands it to its launcher as a local kernel would; the ranks' s
 go to a loopback socket of their node's task, which writes them as text lines to its stdout,
 which srun brings to the kernel; the kernel checks them against the run's key.
 
+Each task also says it is alive every second on that channel; a node not heard from for
+``heartbeat`` seconds is lost (a frozen node or a broken network), and srun is stopped.
+
 ``backend_options``: ``srun_args`` (a list of extra srun arguments, e.g.
 ``["--partition=gpu", "--gpus-per-node=8", "--time=2:00:00"]``), ``env_allow`` (more
-variable-name prefixes of the kernel's environment to pass on).
+variable-name prefixes of the kernel's environment to pass on), ``heartbeat`` (seconds,
+default 30).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender, move_rank_files, node_outcome
+from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender, move_rank_files, node_outcome, read_log
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import KILL, RunDir
 from nbshard.ports import pick_port
@@ -48,7 +52,9 @@ __all__ = ["ENV_KEEP", "main", "start_slurm"]
 # finds Python and its libraries on the nodes, the allow-list other backends use, and env=.
 ENV_KEEP = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HOME", "USER", "LANG", "LC_", "TMPDIR", "SLURM_")
 FRAME_PREFIX = "NBSHARD-FRAME "
-_OPTIONS = {"srun_args", "env_allow"}
+ALIVE_PREFIX = "NBSHARD-ALIVE "
+ALIVE_EVERY = 1.0  # seconds between a task's signs of life
+_OPTIONS = {"srun_args", "env_allow", "heartbeat"}
 MASTER_WAIT = 120.0  # seconds a node waits for node 0 to publish the rendezvous address
 KILL_AFTER = 3.0  # seconds srun gets to end the step after a kill before it is stopped
 SRUN_END_WAIT = 10.0  # seconds srun gets to end by itself once the nodes have ended
@@ -69,6 +75,7 @@ class SlurmStep:
             cwd=str(run_dir.path), start_new_session=True,
         )
         self._forward = forward
+        self.heard: dict[int, float] = {}  # node rank -> when its task last said it is alive
         self._reader = threading.Thread(target=self._read, name=f"nbshard-srun-{run_dir.path.name}", daemon=True)
         self._reader.start()
 
@@ -79,6 +86,9 @@ class SlurmStep:
             if text.startswith(FRAME_PREFIX):
                 with contextlib.suppress(ValueError):
                     self._forward.send([base64.b64decode(part) for part in text[len(FRAME_PREFIX):].split()])
+            elif text.startswith(ALIVE_PREFIX):
+                with contextlib.suppress(ValueError):
+                    self.heard[int(text[len(ALIVE_PREFIX):])] = time.monotonic()
             else:
                 with contextlib.suppress(OSError):
                     self._log.write(line)
@@ -123,8 +133,8 @@ class SlurmStep:
 class SlurmNode:
     """One node of the step: its launcher's outcome appears in its directory on the shared filesystem."""
 
-    def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int) -> None:
-        self.step, self.node_dir, self.node_rank = step, node_dir, node_rank
+    def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int, heartbeat: float) -> None:
+        self.step, self.node_dir, self.node_rank, self.heartbeat = step, node_dir, node_rank, heartbeat
 
     def poll(self) -> int | None:
         if node_outcome(self.node_dir) is not None:
@@ -133,7 +143,12 @@ class SlurmNode:
 
     def lost(self) -> str | None:
         code = self.step.popen.poll()
-        if code is None or node_outcome(self.node_dir) is not None:
+        if node_outcome(self.node_dir) is not None:
+            return None
+        heard = self.step.heard.get(self.node_rank)  # none before the task started: srun may wait in a queue
+        if code is None and heard is not None and time.monotonic() - heard > self.heartbeat:
+            return f"its srun task was not heard from for {self.heartbeat:g} s (the node froze or its network failed)"
+        if code is None:
             return None
         return (
             f"srun ended (exit code {code}) before this node's launcher said how its ranks ended: the "
@@ -155,6 +170,9 @@ class SlurmNode:
     def bring_home(self, run_dir: RunDir) -> None:
         move_rank_files(self.node_dir, run_dir)
 
+    def live_log(self, rank: int) -> bytes:
+        return read_log(self.node_dir, rank)
+
 
 def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None) -> NodeGroup:
     """``srun`` one task per node; each runs ``python -m nbshard.backends.slurm RUN_DIR``."""
@@ -165,7 +183,7 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
     unknown = set(spec.get("backend_options", {})) - _OPTIONS
     if unknown:
         raise ValueError(f"backend_options for slurm: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
-    options = {"srun_args": [], "env_allow": (), **spec.get("backend_options", {})}
+    options = {"srun_args": [], "env_allow": (), "heartbeat": 30.0, **spec.get("backend_options", {})}
     if spec.get("gpus") is not None:
         raise ValueError("backend='slurm' gives each node the GPUs Slurm assigns it: ask with srun_args=['--gpus-per-node=N'], not gpus=")
     from nbshard.backends.local import _importable_env
@@ -187,7 +205,7 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
             sys.executable, "-m", "nbshard.backends.slurm", str(run_dir.path), str(restart_count),
         ]
         steps.append(SlurmStep(run_dir, command, task_env, forward, job_name))
-        return [SlurmNode(steps[-1], run_dir.node(k), k) for k in range(nnodes)]
+        return [SlurmNode(steps[-1], run_dir.node(k), k, options["heartbeat"]) for k in range(nnodes)]
 
     def cleanup() -> None:
         steps[-1].close()
@@ -228,13 +246,30 @@ def _rendezvous(run_dir: RunDir, node_rank: int) -> tuple[str, int]:
     return where["addr"], where["port"]
 
 
-def _relay(socket_: Any, out: Any) -> None:
-    """Each frame the ranks and the launcher send, as one line on stdout (srun brings it home)."""
+class _Stdout:
+    """This task's stdout, one whole line at a time from any thread (srun brings it home)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            sys.stdout.buffer.write((text + "\n").encode())
+            sys.stdout.buffer.flush()
+
+
+def _relay(socket_: Any, out: _Stdout) -> None:
+    """Each frame the ranks and the launcher send, as one line."""
     with contextlib.suppress(zmq.ZMQError, OSError, ValueError):
         while True:
-            frames = socket_.recv_multipart()
-            out.write((FRAME_PREFIX + " ".join(base64.b64encode(f).decode() for f in frames) + "\n").encode())
-            out.flush()
+            out.line(FRAME_PREFIX + " ".join(base64.b64encode(f).decode() for f in socket_.recv_multipart()))
+
+
+def _say_alive(node_rank: int, out: _Stdout) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while True:
+            out.line(f"{ALIVE_PREFIX}{node_rank}")
+            time.sleep(ALIVE_EVERY)
 
 
 def _pass_on(launcher: Any) -> None:
@@ -265,7 +300,9 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     relay = context.socket(zmq.PULL)
     relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     address = f"tcp://127.0.0.1:{relay.bind_to_random_port('tcp://127.0.0.1')}"
-    threading.Thread(target=_relay, args=(relay, sys.stdout.buffer), daemon=True).start()
+    out = _Stdout()
+    threading.Thread(target=_relay, args=(relay, out), daemon=True).start()
+    threading.Thread(target=_say_alive, args=(node_rank, out), daemon=True).start()
     write_atomic(node_dir.key, paths.key.read_bytes())
     if paths.job.exists():
         write_atomic(node_dir.job, paths.job.read_bytes())
