@@ -188,5 +188,6 @@ def test_a_kernel_on_ray_client_runs_jobs_and_its_death_takes_the_nodes_along(cl
     kernel.wait_for("ready")
     kernel.wait_for("ready")
     kernel.process.kill()
-    # Ray's client server keeps a lost client's actors for its reconnect grace period (3 s here).
-    assert run_gone_within(run_id, 3 + 5), "a launcher or rank outlived the kernel and the grace period"
+    # Ray's client server keeps a lost client's actors for its reconnect grace period (3 s here),
+    # then Ray kills them; on a busy 2-core machine that takes a few seconds more.
+    assert run_gone_within(run_id, 3 + 12), f"outlived the kernel and the grace period: {processes_of_run(run_id)}"

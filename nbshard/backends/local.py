@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends.nodes import NodeGroup, end_sender, move_rank_files, node_outcome, read_log
+from nbshard.backends.nodes import NodeGroup, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
@@ -148,10 +148,7 @@ def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], 
         return nodes
 
     nodes = launch(0)
-    group = NodeGroup(
-        run_dir, nodes, spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()),
-        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
-    )
+    group = NodeGroup(run_dir, nodes, spec["nproc"], spec["address"], relaunch=launch, max_restarts=spec.get("max_restarts", 0))
     group.note = next((node.launcher.note for node in nodes if node.launcher.note), None)
     return group
 

@@ -9,7 +9,8 @@ handle reads a multi-node run as it reads any other.
 
 A node is any object with ``poll``, ``request``, ``kill``, ``close`` (the node-launcher
 interface), ``outcome()`` (its launcher's outcome, or None), ``lost()`` (why it is lost, or
-None) and ``bring_home(run_dir)`` (move its ranks' files into the kernel's run directory).
+None), ``bring_home(run_dir)`` (move its ranks' files into the kernel's run directory) and
+``live_log(rank)`` (a running rank's log).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nbshard.files import read_json, write_json
 from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
 from nbshard.wire import Sender
 
-__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "end_sender", "merge_outcomes", "move_rank_files", "node_outcome", "read_log"]
+__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "merge_outcomes", "move_rank_files", "node_outcome", "read_log"]
 
 POLL = 0.05
 END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
@@ -47,22 +48,21 @@ class Node(Protocol):
 
 class NodeGroup:
     """The nodes of one run behind the launcher interface (``poll``, ``wait``, ``request``,
-    ``kill``, ``close``). ``send_end(message)`` tells the kernel's socket that the run ended."""
+    ``kill``, ``close``); it tells the kernel's socket (``address``) of restarts and, last, the end."""
 
     note: str | None = None
 
     def __init__(
-        self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, send_end: Any, cleanup: Any = None,
-        *, relaunch: Any = None, max_restarts: int = 0, address: str = "",
+        self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, address: str, cleanup: Any = None,
+        *, relaunch: Any = None, max_restarts: int = 0,
     ) -> None:
         self.nodes = list(nodes)
         self._cleanup = cleanup  # what the backend frees once, when the run is over
         self._relaunch = relaunch  # relaunch(restart_count) -> fresh nodes, for max_restarts
         self._max_restarts = max_restarts
-        self._address = address  # the kernel's socket, for notes
+        self._address = address  # the kernel's socket
         self._run_dir = run_dir
         self._nproc = nproc
-        self._send_end = send_end
         self._asked: bytes | None = None  # what the kernel asked for (a cancel, a kill)
         self._stopping_for: int | None = None  # the node whose end stopped the others
         self._ended: dict[int, float] = {}
@@ -115,7 +115,7 @@ class NodeGroup:
                 outcome = self._run_attempt()
                 if not self._may_restart(outcome):
                     break
-                self._note(self._set_aside(outcome, restart_count))
+                self._send({"kind": "event", "event": "note", "text": self._set_aside(outcome, restart_count)})
                 restart_count += 1
                 for node in self.nodes:
                     with contextlib.suppress(Exception):
@@ -126,7 +126,7 @@ class NodeGroup:
                     self.request(self._asked)
             outcome["attempts"] = self.attempts
             write_json(self._run_dir.outcome, outcome)
-            self._send_end({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]})
+            self._send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]})
         finally:
             self._done.set()
 
@@ -174,10 +174,11 @@ class NodeGroup:
                 append_home(self._run_dir, self._run_dir.log(entry["rank"]).name, f"\n[nbshard] {text}\n".encode())
         return text
 
-    def _note(self, text: str) -> None:
+    def _send(self, message: dict[str, Any]) -> None:
+        """One message to the kernel's socket, signed with the run's key."""
         with contextlib.suppress(Exception):
             sender = Sender(self._address, self._run_dir.key.read_bytes())
-            sender.send({"kind": "event", "event": "note", "text": text}, wait=END_SEND_WAIT)
+            sender.send(message, wait=END_SEND_WAIT)
             sender.close()
 
     def _check(self, index: int, node: Node) -> None:
@@ -185,12 +186,13 @@ class NodeGroup:
         if why is None and node.poll() is None:
             return
         self._ended[index] = time.time()
-        if why is None and node.outcome() is None:
+        outcome = node.outcome() if why is None else None
+        if why is None and outcome is None:
             why = f"its launcher exited (code {node.poll()}) without saying how the job ended"
         if why is not None:
             self._lost[index] = why
             node.kill()
-        failed = why is not None or (node.outcome() or {}).get("status") != "succeeded"
+        failed = why is not None or outcome["status"] != "succeeded"
         if failed and self._stopping_for is None and self._asked is None:
             self._stopping_for = index
             for other, peer in enumerate(self.nodes):
@@ -275,17 +277,6 @@ def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:
     with contextlib.suppress(OSError, ValueError):
         return read_json(node_dir.outcome)
     return None
-
-
-def end_sender(address: str, key: bytes) -> Any:
-    """``send_end`` for a ``NodeGroup``: the run's last message, signed, to the kernel's socket."""
-
-    def send_end(message: dict[str, Any]) -> None:
-        sender = Sender(address, key)
-        sender.send(message, wait=END_SEND_WAIT)
-        sender.close()
-
-    return send_end
 
 
 class Forwarder:

@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, end_sender, read_log
+from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, node_outcome, read_log
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import RANK_FILES, RunDir
 from nbshard.ports import pick_port
@@ -105,9 +105,7 @@ class NodeAgent:
         self.launcher.kill()
 
     def outcome(self) -> dict[str, Any] | None:
-        with contextlib.suppress(OSError, ValueError):
-            return read_json(self.run_dir.outcome)
-        return None
+        return node_outcome(self.run_dir)
 
     def rank_files(self) -> dict[str, int]:
         return {p.name: p.stat().st_size for p in self.run_dir.path.iterdir() if p.name.startswith(RANK_FILES)}
@@ -286,10 +284,7 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         else:
             _free(ray, *current["placed"])
 
-    return NodeGroup(
-        run_dir, nodes, spec["nproc"], end_sender(spec["address"], key), cleanup,
-        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
-    )
+    return NodeGroup(run_dir, nodes, spec["nproc"], spec["address"], cleanup, relaunch=launch, max_restarts=spec.get("max_restarts", 0))
 
 
 _KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same

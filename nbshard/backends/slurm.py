@@ -40,7 +40,7 @@ from typing import Any
 
 import zmq
 
-from nbshard.backends.nodes import Forwarder, NodeGroup, end_sender, move_rank_files, node_outcome, read_log
+from nbshard.backends.nodes import Forwarder, NodeGroup, move_rank_files, node_outcome, read_log
 from nbshard.files import read_json, write_atomic, write_json
 from nbshard.job import KILL, RunDir
 from nbshard.ports import pick_port
@@ -211,10 +211,7 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
         steps[-1].close()
         forward.close()
 
-    return NodeGroup(
-        run_dir, launch(0), spec["nproc"], end_sender(spec["address"], run_dir.key.read_bytes()), cleanup,
-        relaunch=launch, max_restarts=spec.get("max_restarts", 0), address=spec["address"],
-    )
+    return NodeGroup(run_dir, launch(0), spec["nproc"], spec["address"], cleanup, relaunch=launch, max_restarts=spec.get("max_restarts", 0))
 
 
 # -- a node's side: one srun task --------------------------------------------------
