@@ -8,7 +8,6 @@ import glob
 import importlib.util
 import os
 import signal
-import time
 
 import pytest
 
@@ -20,10 +19,10 @@ os.environ["RAY_CLIENT_RECONNECT_GRACE_PERIOD"] = "3"
 ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 'nbshard[ray]'")
 
 import nbshard  # noqa: E402
+import node_checks  # noqa: E402
 import programs  # noqa: E402
 from conftest import processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.ray import node_environment  # noqa: E402
-from test_failures import wait_for_output  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -62,22 +61,11 @@ def test_each_node_runs_its_ranks_with_the_multi_node_environment(cluster, capsy
 
 
 def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(cluster):
-    handle = nbshard.submit(programs.raise_on_rank, 1, "bad batch on node 1", 0.5, nproc=1, nnodes=2, backend="ray")
-    with pytest.raises(nbshard.JobFailed) as caught:
-        handle.result(timeout=120)
-    assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad batch on node 1")
-    assert str(caught.value.__cause__) == "bad batch on node 1"
-    assert run_gone_within(handle.run_dir.name, 5)
+    node_checks.a_failure_on_node_1_stops_node_0_and_leads_the_error("ray")
 
 
 def test_cancel_stops_every_node_within_5_seconds(cluster):
-    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray")
-    wait_for_output(handle, "ready", range(2))  # handle.logs reads each rank's log from its node while it runs
-    started = time.monotonic()
-    handle.cancel()
-    assert time.monotonic() - started < 5
-    assert isinstance(handle.exception(), nbshard.JobCancelled)
-    assert run_gone_within(handle.run_dir.name, 5)
+    node_checks.cancel_stops_every_node_within_5_seconds("ray")
 
 
 def test_a_node_whose_actor_dies_is_lost_and_named_first(cluster):

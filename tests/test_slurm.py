@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import nbshard
+import node_checks
 import programs
 from conftest import run_gone_within, wait_for_ranks
 from slurm_cluster import SlurmCluster, missing
-from test_failures import wait_for_output
 from test_nodes import node_environment
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.skipif(missing() is not None, reason=str(missing()))]
@@ -53,21 +53,11 @@ def test_each_srun_task_runs_a_nodes_ranks_with_the_multi_node_environment(slurm
 
 
 def test_a_failure_on_one_node_stops_the_other_and_leads_the_error(slurm):
-    handle = nbshard.submit(programs.raise_on_rank, 1, "bad shard on node 1", 0.5, nproc=1, nnodes=2, backend="slurm")
-    with pytest.raises(nbshard.JobFailed) as caught:
-        handle.result(timeout=120)
-    assert (caught.value.failures[0].rank, caught.value.failures[0].message) == (1, "bad shard on node 1")
-    assert run_gone_within(handle.run_dir.name, 5)
+    node_checks.a_failure_on_node_1_stops_node_0_and_leads_the_error("slurm")
 
 
 def test_cancel_stops_every_node_within_5_seconds(slurm):
-    handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm")
-    wait_for_output(handle, "ready", range(2))  # handle.logs reads each rank's log from its node while it runs
-    started = time.monotonic()
-    handle.cancel()
-    assert time.monotonic() - started < 5
-    assert isinstance(handle.exception(), nbshard.JobCancelled)
-    assert run_gone_within(handle.run_dir.name, 5)
+    node_checks.cancel_stops_every_node_within_5_seconds("slurm")
 
 
 def test_scancel_of_the_allocation_fails_the_job_saying_the_scheduler_stopped_it(slurm):
