@@ -17,6 +17,12 @@ import nbshard
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pythonpath(*first: Path) -> str:
+    """PYTHONPATH for a process a test starts: ``first`` ahead of the inherited one, which may
+    hold this environment's own packages (e.g. wheels unpacked with ``pip --target``)."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def gpu_count() -> int:
     """GPUs visible here, counted as nbshard counts them: without a CUDA context."""
     from nbshard.gpus import visible_gpu_count
@@ -113,7 +119,7 @@ class Script:
     def __init__(self, tmp_path: Path, source: str) -> None:
         path = tmp_path / "kernel_script.py"
         path.write_text(textwrap.dedent(source))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+        env = dict(os.environ, PYTHONPATH=pythonpath(REPO, REPO / "tests"))
         self.process = subprocess.Popen(
             [sys.executable, str(path)], cwd=tmp_path, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -182,6 +188,6 @@ def kernel(tmp_path: Path, runs_dir: Path):
     """A real IPython kernel (jupyter_client), shut down after the test."""
     from kernel import Kernel
 
-    started = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": str(REPO)})
+    started = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": pythonpath(REPO)})
     yield started
     started.shutdown()

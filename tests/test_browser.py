@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, wait_until_gone
+from conftest import REPO, pythonpath, wait_until_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,7 +67,7 @@ def notebook(tmp_path_factory: pytest.TempPathFactory):
     shots.mkdir(parents=True, exist_ok=True)
     runs = root / "runs"
     write_notebook(root / "person.ipynb", CELLS)
-    lab = JupyterLab(root, {"NBSHARD_RUNS_DIR": str(runs), "PYTHONPATH": str(REPO)})
+    lab = JupyterLab(root, {"NBSHARD_RUNS_DIR": str(runs), "PYTHONPATH": pythonpath(REPO)})
     try:
         with playwright.sync_playwright() as driver:
             browser = driver.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)

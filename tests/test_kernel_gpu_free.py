@@ -53,11 +53,11 @@ def test_a_whole_job_leaves_torch_unimported_in_the_kernel(kernel):
 
 
 def test_hiding_gpus_from_the_kernel_keeps_them_for_the_ranks(tmp_path, runs_dir, monkeypatch):
-    from conftest import REPO
+    from conftest import REPO, pythonpath
     from kernel import Kernel
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    kernel = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": str(REPO)})
+    kernel = Kernel(tmp_path, {"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": pythonpath(REPO)})
     try:
         result = kernel.execute(
             "import os, nbshard\n"

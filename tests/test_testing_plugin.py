@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, pythonpath
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def run_pytest(tmp_path, test_source, *args):
     (tmp_path / "test_user.py").write_text(textwrap.dedent(test_source))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=pythonpath(REPO))
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170,

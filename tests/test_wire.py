@@ -114,7 +114,7 @@ def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from conftest import REPO, pythonpath
 
     program = (
         "import resource, sys, time\n"
@@ -127,7 +127,7 @@ def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
         "print(receiver.rejected, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
     )
     kernel = subprocess.Popen([sys.executable, "-c", program, "8"], stdout=subprocess.PIPE, text=True,
-                              env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                              env={**__import__("os").environ, "PYTHONPATH": pythonpath(REPO)})
     try:
         address, before_kib = kernel.stdout.readline().split()
         flood = zmq.Context.instance().socket(zmq.PUSH)
