@@ -20,7 +20,7 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> str:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_local_gpu(torch))
     if not dist.is_initialized():
         dist.init_process_group(backend, **kwargs)
     return backend
@@ -31,5 +31,19 @@ def device() -> Any:
     import torch
 
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", _local_gpu(torch))
     return torch.device("cpu")
+
+
+def _local_gpu(torch: Any) -> int:
+    """This rank's GPU index (``LOCAL_RANK``), or a clear error where the node has too few GPUs."""
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local < count:
+        return local
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "?")
+    raise RuntimeError(
+        f"local rank {local} has no GPU of its own: this node runs {ranks} ranks but shows {count} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), and NCCL needs one GPU per rank. "
+        f"Run with nproc={count} or fewer, or, to try more ranks than GPUs, use "
+        "nbshard.init_process_group('gloo') and keep the tensors on the CPU."
+    )

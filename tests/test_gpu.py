@@ -161,3 +161,11 @@ def test_a_session_keeps_cuda_memory_between_calls_counts_nccl_collectives_and_c
     finally:
         session.close()
     assert not wait_until_gone(session.run_dir, within=5.0)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error_in_the_rank():
+    nproc = gpu_count() + 1
+    with pytest.raises(nbshard.JobFailed) as failure:
+        nbshard.run(cuda_result, nproc=nproc)
+    text = f"{failure.value}\n{failure.value.__cause__}"
+    assert f"local rank {gpu_count()} has no GPU of its own" in text and f"nproc={gpu_count()} or fewer" in text, text
