@@ -22,7 +22,8 @@ class KernelHoldsCUDA(UserWarning):
 def visible_gpu_count(env: Mapping[str, str]) -> int:
     """GPUs a process with ``env`` would see, counted without creating a CUDA context.
 
-    The driver lists one directory per GPU in /proc/driver/nvidia/gpus;
+    The driver lists one directory per GPU in /proc/driver/nvidia/gpus (where that is not
+    mounted, as in some VMs and containers, one /dev/nvidiaN node per GPU);
     ``CUDA_VISIBLE_DEVICES`` narrows that down as CUDA would.
     """
     visible = env.get("CUDA_VISIBLE_DEVICES")
@@ -30,7 +31,9 @@ def visible_gpu_count(env: Mapping[str, str]) -> int:
         entries = [e.strip() for e in visible.split(",") if e.strip()]
         return len(entries) if entries and entries[0] != "-1" else 0
     gpus = Path("/proc/driver/nvidia/gpus")
-    return sum(1 for _ in gpus.iterdir()) if gpus.is_dir() else 0
+    if gpus.is_dir():
+        return sum(1 for _ in gpus.iterdir())
+    return sum(1 for node in Path("/dev").glob("nvidia*") if node.name[len("nvidia"):].isdigit())
 
 
 def ranks_environment(kernel_env: Mapping[str, str]) -> dict[str, str]:
