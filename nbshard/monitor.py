@@ -20,7 +20,7 @@ from typing import Any
 
 from nbshard.wire import Sender
 
-__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory"]
+__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_sample"]
 
 LINGER_MS = 500  # a rank's exit waits at most this long for a slow kernel
 
@@ -238,6 +238,12 @@ def start(address: str, key: bytes, rank: int, interval: float | None, metrics_p
     global _active
     _active = Monitor(address, key, rank, interval, metrics_path)
     return _active
+
+
+def send_sample() -> None:
+    """A sample now, between the interval's (a session's call just ended: show what the rank holds now)."""
+    if _active is not None:
+        _active.send_sample()
 
 
 def stop() -> None:

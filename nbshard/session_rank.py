@@ -118,7 +118,7 @@ def _verified(path: Path, digest: str) -> bytes | None:
 
 def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
     """Answer the launcher's calls until it closes the session; returns the exit code."""
-    from nbshard import worker
+    from nbshard import monitor, worker
 
     read_fd, write_fd = (int(fd) for fd in os.environ.pop(PIPES_ENV).split(","))
     for fd in (read_fd, write_fd):
@@ -162,5 +162,6 @@ def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
         if rank == 0:
             write_json(paths.path / NAMES_FILE, sorted(name for name in namespace if not name.startswith("__")))
         count = collectives_issued()
+        monitor.send_sample()  # before the answer: the call's summary shows what the rank holds after it
         os.write(write_fd, f"{call} {status} {'-' if count is None else count}\n".encode())
     return 0
