@@ -51,23 +51,42 @@ def _write_status(directory: Path, status: dict[str, Any]) -> None:
     temporary.replace(directory / STATUS_NAME)
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+# Threads a fork copies safely: jemalloc (pyarrow bundles it, and lightning's imports load
+# pyarrow) takes its locks in pthread_atfork handlers and starts its background thread anew
+# in the child when it needs one.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
+
+
+def _other_threads() -> list[str]:
+    """The names of this process's threads besides the main one that a fork could break."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        if int(task) == os.getpid():
+            continue
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:  # it ended meanwhile
+            continue
+        if name not in FORK_SAFE_THREADS:
+            names.append(name)
+    return names
 
 
 def _unsafe_to_fork() -> str | None:
     """Why forking this process now could hand a child a broken state; None when it is safe."""
-    if _threads() != 1:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # first: CUDA's own threads are its symptom
+        return "a preload initialized CUDA, which a forked process cannot use"
+    others = _other_threads()
+    if others:
         return (
-            f"after the preloads this process runs {_threads()} threads (a library started one at import; "
+            f"after the preloads this process runs {len(others) + 1} threads (besides the main one: "
+            f"{', '.join(sorted(set(others)))}; a library started one at import; "
             "numpy's OpenBLAS does unless OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is set), and forking a "
             "threaded process can copy a held lock"
         )
-    torch = sys.modules.get("torch")
     if torch is None:
         return None
-    if torch.cuda.is_initialized():
-        return "a preload initialized CUDA, which a forked process cannot use"
     probe = os.fork()
     if probe == 0:
         os._exit(3 if torch.cuda._is_in_bad_fork() else 0)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import textwrap
 from pathlib import Path
 
 import programs
@@ -117,12 +118,20 @@ def test_a_changed_preloaded_module_is_never_used_stale(tmp_path, monkeypatch, w
 
 
 def test_a_preload_that_starts_a_thread_turns_warm_start_off_with_one_note(tmp_path, monkeypatch, warm_on):
-    (tmp_path / "starts_a_thread.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    (tmp_path / "starts_a_thread.py").write_text(textwrap.dedent("""
+        import ctypes, threading, time
+        def named(name):  # as a native library names its threads (prctl PR_SET_NAME)
+            ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)
+            time.sleep(600)
+        for name in ("sleepy_pool", "jemalloc_bg_thd"):  # jemalloc's own thread is fork-safe
+            threading.Thread(target=named, args=(name,), daemon=True).start()
+        time.sleep(0.2)
+    """))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(nbshard.settings, "preload", ["torch", "starts_a_thread"])
     nbshard.run(programs.rank_and_value, 1, nproc=1)
     status = warm_settled()
-    assert status["state"] == "failed" and "threads" in status["reason"], status
+    assert status["state"] == "failed" and "runs 2 threads (besides the main one: sleepy_pool;" in status["reason"], status
     handles = [nbshard.submit(programs.rank_and_value, 3, nproc=1) for _ in range(2)]
     assert [h.result(timeout=60) for h in handles] == [0, 0]
     assert not any(h.warm for h in handles)
