@@ -11,10 +11,10 @@ of the full model (fp32):
 - full fine-tuning with AdamW: the sharded state (parameters, gradients, two moments) is
   2.0 of the model on each of 2 ranks; target within 0.25 of it (2.25).
 
-LoRA is measured with glibc's default allocator and with a fixed 1 MiB mmap threshold
-(freed blocks go back to the system at once: what the step needs, without what glibc
-keeps); AdamW with torch's default (a for-loop over parameters on the CPU, a temporary
-of each parameter's size) and with ``fused=True``.
+Each is measured with build_sharded's default (on the CPU, glibc's heap is trimmed at each
+sharding unit's boundaries: ``return_freed_memory``) and without it (what glibc keeps of
+freed memory counts too); AdamW with torch's default (a for-loop over parameters on the
+CPU, a temporary of each parameter's size) and with ``fused=True``.
 
 Usage: python benchmarks/lora_adamw_memory.py [layers_lora] [layers_adamw]   (default 8 8: 1.01B; 0 skips a mode)
 Needs litgpt (pip install --no-deps litgpt).
@@ -28,23 +28,19 @@ import sys
 import nbshard
 
 
-def measure(mode: str, layers: int, mmap_threshold: bool, fused: bool) -> dict:
-    import ctypes
-
+def measure(mode: str, layers: int, return_freed_memory: bool, fused: bool) -> dict:
     import torch
     from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
     from peak_memory import PeakAnonymousMemory, anonymous_bytes
 
     from nbshard import fsdp
 
-    if mmap_threshold:  # glibc: every allocation of 1 MiB or more mapped alone, and unmapped when freed
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     nbshard.init_process_group()
     config = Config.from_name("Llama-3.2-1B", n_layer=layers, block_size=128, lora_r=8, lora_alpha=16,
                               lora_query=mode == "lora", lora_value=mode == "lora")
     before_build = anonymous_bytes()
     with PeakAnonymousMemory() as building:
-        model = fsdp.build_sharded(lambda: GPT(config))
+        model = fsdp.build_sharded(lambda: GPT(config), return_freed_memory=return_freed_memory)
     if mode == "lora":
         mark_only_lora_as_trainable(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=fused or None)
@@ -63,9 +59,11 @@ def measure(mode: str, layers: int, mmap_threshold: bool, fused: bool) -> dict:
             "build": building.peak - before_build}
 
 
-VARIANTS = {  # what each mode is measured with: glibc's default or a fixed mmap threshold; AdamW's default or fused
-    "lora": [("glibc default", False, False), ("glibc mmap threshold 1 MiB", True, False)],
-    "adamw": [("torch.optim.AdamW default (for-loop on CPU)", False, False), ("AdamW(fused=True)", False, True)],
+VARIANTS = {  # what each mode is measured with: freed memory returned at unit boundaries or not; AdamW's default or fused
+    "lora": [("build_sharded default", True, False), ("return_freed_memory=False", False, False)],
+    "adamw": [("AdamW(fused=True), build_sharded default", True, True),
+              ("AdamW(fused=True), return_freed_memory=False", False, True),
+              ("torch.optim.AdamW default (for-loop on CPU), build_sharded default", True, False)],
 }
 
 
@@ -73,8 +71,8 @@ def main(layers_lora: int = 8, layers_adamw: int = 8) -> None:
     for mode, layers, target in (("lora", layers_lora, 0.75), ("adamw", layers_adamw, 2.25)):
         if not layers:  # 0 skips that mode
             continue
-        for label, mmap_threshold, fused in VARIANTS[mode]:
-            results = nbshard.run(measure, mode, layers, mmap_threshold, fused, nproc=2, return_all=True, show_ranks=[])
+        for label, return_freed_memory, fused in VARIANTS[mode]:
+            results = nbshard.run(measure, mode, layers, return_freed_memory, fused, nproc=2, return_all=True, show_ranks=[])
             size = results[0]["model_bytes"]
             print(f"{mode}: Llama-3.2-1B shape with {layers} layers, {size / 4 / 1e9:.2f}B parameters "
                   f"({size / 2**30:.2f} GiB fp32), {label}")

@@ -53,6 +53,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nbshard.checkpoints import Checkpoint, MappedReader, match_keys, model_keys, open_checkpoint
 from nbshard.chunked import can_chunk, row_span, shard_by_rows
+from nbshard.dist import device as rank_device
+from nbshard.host_memory import release_at_unit_boundaries
 
 __all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
 
@@ -119,6 +121,7 @@ def build_sharded(
     blocks: Callable[[nn.Module], Iterable[nn.Module | list[nn.Module]]] = default_blocks,
     gather_in_chunks: bool = True,
     device: torch.device | str | None = None,
+    return_freed_memory: bool | None = None,
     **shard_options: Any,
 ) -> nn.Module:
     """``build()`` sharded with FSDP2 across the process group, only the local shard in memory.
@@ -137,7 +140,9 @@ def build_sharded(
     embedding and head) is not gathered whole around its use but a chunk of rows at a
     time, each chunk half the size of the largest other unit (``nbshard.chunked``).
     ``shard_options`` go to ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device``
-    defaults to this rank's GPU, or the CPU.
+    defaults to this rank's GPU, or the CPU. ``return_freed_memory`` (default: on for a
+    model on the CPU) trims glibc's heap at each unit's boundaries in forward and backward
+    (``nbshard.host_memory``), so a step's peak is what the step holds, not what glibc kept.
     """
     if full_checkpoint is not None and sharded_checkpoint is not None:
         raise ValueError("pass full_checkpoint= or sharded_checkpoint=, not both")
@@ -145,7 +150,7 @@ def build_sharded(
         full_checkpoint, sharded_checkpoint = None, full_checkpoint  # a torch.distributed.checkpoint directory
     if not dist.is_initialized():
         raise RuntimeError("build_sharded needs a process group: call nbshard.init_process_group() first")
-    device = torch.device(device) if device is not None else _rank_device()
+    device = torch.device(device) if device is not None else rank_device()
     with _parameters_on_meta():
         model = build()
     template = copy.deepcopy(model)  # unsharded, on meta: for matching keys and initializing
@@ -165,6 +170,8 @@ def build_sharded(
     for unit in whole:
         fully_shard(unit if len(unit) > 1 else unit[0], ignored_params=ignored or None, **shard_options)
     fully_shard(model, ignored_params=ignored or None, **shard_options)
+    if return_freed_memory if return_freed_memory is not None else device.type == "cpu":
+        release_at_unit_boundaries([model, *(module for unit in units for module in unit)])
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     model.to_empty(device=device)  # allocates this rank's shard of each parameter only
     with torch.no_grad():
@@ -179,12 +186,6 @@ def build_sharded(
     else:
         _init_from_rank0(model, template, seed)
     return model
-
-
-def _rank_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], what: str) -> str | None:

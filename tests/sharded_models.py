@@ -316,3 +316,32 @@ def litgpt_lora_from_base(path):
         "state": fsdp.full_state_dict(model), "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits,
         "trainable": fsdp.full_state_dict(model, trainable_only=True),
     }
+
+
+class InPlaceLM(RotaryLM):
+    """Adds to each block's output in place, as many models do with residuals."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+            x += 1.0
+        return self.head(self.norm(x))
+
+
+def step_returning_freed_memory(return_freed_memory):
+    """One SGD step of a CPU model built with return_freed_memory on, off or by default."""
+    import torch.distributed as dist
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: InPlaceLM(vocab=512), seed=3, return_freed_memory=return_freed_memory)
+    trimmed = sorted(name for name, module in model.named_modules()
+                     if any(getattr(hook, "__name__", "") == "before_forward" for hook in module._forward_pre_hooks.values()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logits = model(rank_batches(512)[dist.get_rank()])
+    logits.pow(2).mean().backward()
+    optimizer.step()
+    return {"trimmed": trimmed, "state": fsdp.full_state_dict(model)}

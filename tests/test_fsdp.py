@@ -128,3 +128,11 @@ def test_default_blocks_leaves_small_modules_to_the_root():
     model = RotaryLM()  # vocabulary 64: the embedding is a quarter of a layer
     assert default_blocks(model) == list(model.blocks)
     assert default_blocks(torch.nn.Linear(4, 4)) == []
+
+
+def test_cpu_models_return_freed_memory_at_unit_boundaries_and_train_the_same():
+    by_default, on, off = (nbshard.run(sharded_models.step_returning_freed_memory, option, nproc=2)
+                           for option in (None, True, False))
+    assert by_default["trimmed"] == on["trimmed"] == ["", "blocks.0", "blocks.1", "blocks.2", "embed", "head"], on["trimmed"]
+    assert off["trimmed"] == []
+    assert_same_state(on["state"], off["state"])  # in-place ops on a unit's output still work

@@ -1,0 +1,60 @@
+"""Give freed host memory back at each sharding unit's boundaries (CPU training with glibc).
+
+A sharded step on the CPU allocates and frees a unit's gathered parameters, its
+gradients and its activations unit after unit. glibc keeps much of what is freed
+(its mmap threshold grows with the largest block freed, and then tensors of tens
+of MB come from its heap and fragment it), so a rank's resident memory climbs a
+tenth of the model above what it holds at any moment. ``malloc_trim(0)`` before
+each unit gathers, in forward and in backward, hands those pages back. On 2 CPU
+ranks with litgpt's Llama-3.2-1B shape at 8 layers (benchmarks/lora_adamw_memory.py)
+a LoRA step's peak fell from 0.84 to 0.75 of the model and a fused AdamW step's
+from 2.31 to 2.16; the steps were no slower (26.3 s against 27.6 s, one
+side-by-side run). On GPUs the parameters live on the device, the host does not
+churn, and build_sharded registers nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["release_at_unit_boundaries"]
+
+
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; musl and others have none
+    except (AttributeError, OSError):
+        return None
+
+
+def release_at_unit_boundaries(units: Iterable[nn.Module]) -> bool:
+    """Trim the heap before each of ``units`` runs forward and before its backward
+    (when its output's gradient arrives: the later unit's gradients are reduced and its
+    parameters freed by then). Returns False where the C library cannot trim."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        trim(0)
+
+    def before_backward(gradient: Any) -> None:
+        trim(0)
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        # A gradient hook on the output, not a module backward hook: those wrap the
+        # output in a view that in-place operations on it would break.
+        for leaf in tree_leaves(output):
+            if getattr(leaf, "requires_grad", False) and getattr(leaf, "grad_fn", None) is not None:
+                leaf.register_hook(before_backward)
+                return  # once per unit
+
+    for unit in units:
+        unit.register_forward_pre_hook(before_forward)
+        unit.register_forward_hook(after_forward)
+    return True
