@@ -51,9 +51,9 @@ def _write_status(directory: Path, status: dict[str, Any]) -> None:
     temporary.replace(directory / STATUS_NAME)
 
 
-# Threads a fork copies safely: jemalloc (pyarrow bundles it, and lightning's imports load
-# pyarrow) takes its locks in pthread_atfork handlers and starts its background thread anew
-# in the child when it needs one.
+# Threads a fork copies safely: jemalloc, which some wheels bundle (on an H200 image
+# `import lightning` started its background thread), takes its locks in pthread_atfork
+# handlers and starts that thread anew in the child when it needs one.
 FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
 
 
