@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from nbshard.errors import signal_name
 from nbshard.files import read_json
 from nbshard.job import RunDir
 
-__all__ = ["cause", "set_aside"]
+__all__ = ["cause", "record", "set_aside"]
 
 
 def set_aside(run_dir: RunDir, ranks: Iterable[int], restart_count: int) -> Path:
@@ -36,3 +37,13 @@ def cause(error_file: Path, rank: int, returncode: int | None) -> str:
         return f"on rank {rank}: {error['exc_type'].rsplit('.', 1)[-1]}{': ' + message if message else ''}"
     code = returncode or 0
     return f"on rank {rank}: " + (f"killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}")
+
+
+def record(attempts: list[dict[str, Any]], rank: int | None, why: str, folder: Path, started_again: str,
+           max_restarts: int, restart_count: int) -> str:
+    """Add a failed attempt to ``attempts`` and return the line that tells the kernel and the logs."""
+    attempts.append({"attempt": len(attempts) + 1, "rank": rank, "cause": why, "files": str(folder)})
+    return (
+        f"attempt {len(attempts)} failed {why}; starting {started_again} again "
+        f"(restart {len(attempts)} of {max_restarts}, TORCHELASTIC_RESTART_COUNT={restart_count + 1})"
+    )

@@ -424,11 +424,7 @@ class Launcher:
         why = "(no rank reported why)" if first is None else attempts.cause(
             folder / self.run_dir.error(first.rank).name, first.rank, first.returncode
         )
-        self.attempts.append({"attempt": len(self.attempts) + 1, "rank": self.first_failure, "cause": why, "files": str(folder)})
-        text = (
-            f"attempt {len(self.attempts)} failed {why}; starting every rank again "
-            f"(restart {len(self.attempts)} of {self.spec['max_restarts']}, TORCHELASTIC_RESTART_COUNT={restart_count + 1})"
-        )
+        text = attempts.record(self.attempts, self.first_failure, why, folder, "every rank", self.spec["max_restarts"], restart_count)
         for proc in self.ranks:
             self.to_log(proc, f"\n[nbshard] {text}\n".encode())
         return text

@@ -164,11 +164,7 @@ class NodeGroup:
             failed = [e for e in outcome["ranks"] if not e["ok"] and not e["stopped"]] or [e for e in outcome["ranks"] if not e["ok"]]
             first = min(failed, key=lambda e: e["ended"] or 0)
             rank, why = first["rank"], attempts.cause(folder / self._run_dir.error(first["rank"]).name, first["rank"], first["exitcode"])
-        self.attempts.append({"attempt": len(self.attempts) + 1, "rank": rank, "cause": why, "files": str(folder)})
-        text = (
-            f"attempt {len(self.attempts)} failed {why}; starting every node again "
-            f"(restart {len(self.attempts)} of {self._max_restarts}, TORCHELASTIC_RESTART_COUNT={restart_count + 1})"
-        )
+        text = attempts.record(self.attempts, rank, why, folder, "every node", self._max_restarts, restart_count)
         for entry in outcome["ranks"]:
             with contextlib.suppress(OSError):
                 append_home(self._run_dir, self._run_dir.log(entry["rank"]).name, f"\n[nbshard] {text}\n".encode())
