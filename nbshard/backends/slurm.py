@@ -135,28 +135,30 @@ class SlurmNode:
 
     def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int, heartbeat: float) -> None:
         self.step, self.node_dir, self.node_rank, self.heartbeat = step, node_dir, node_rank, heartbeat
+        self._outcome: dict[str, Any] | None = None  # once written, it stays: read no more
 
     def poll(self) -> int | None:
-        if node_outcome(self.node_dir) is not None:
+        if self.outcome() is not None:
             return 0
         return self.step.popen.poll()
 
     def lost(self) -> str | None:
-        code = self.step.popen.poll()
-        if node_outcome(self.node_dir) is not None:
-            return None
+        code = self.step.popen.poll()  # before the outcome: a launcher writes it before srun can end
         heard = self.step.heard.get(self.node_rank)  # none before the task started: srun may wait in a queue
-        if code is None and heard is not None and time.monotonic() - heard > self.heartbeat:
+        silent = code is None and heard is not None and time.monotonic() - heard > self.heartbeat
+        if (code is None and not silent) or self.outcome() is not None:
+            return None  # the shared filesystem is read only when srun ended or the node went silent
+        if silent:
             return f"its srun task was not heard from for {self.heartbeat:g} s (the node froze or its network failed)"
-        if code is None:
-            return None
         return (
             f"srun ended (exit code {code}) before this node's launcher said how its ranks ended: the "
             f"allocation was cancelled (scancel), ran out of time, or the node failed; see {self.step._log.name}"
         )
 
     def outcome(self) -> dict[str, Any] | None:
-        return node_outcome(self.node_dir)
+        if self._outcome is None:
+            self._outcome = node_outcome(self.node_dir)
+        return self._outcome
 
     def request(self, command: bytes) -> None:
         self.step.write(command)
