@@ -22,10 +22,11 @@ from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
 from nbshard.backends.local import _importable_env
-from nbshard.files import make_private_dirs, write_atomic, write_json
+from nbshard.files import make_private_dirs, read_json, write_atomic, write_json
 from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
+from nbshard.leftovers import process_identity, sweep_temp
 from nbshard.pickling import dump_job
 from nbshard.wire import Receiver, new_key
 
@@ -47,7 +48,11 @@ class Settings:
     runs_dir: Path = dataclasses.field(default_factory=_default_runs_dir)
     """Where run directories live (``$NBSHARD_RUNS_DIR``, else ``~/.cache/nbshard/runs``)."""
     keep_runs: int = 20
-    """Finished run directories kept; older ones are deleted when a job is submitted."""
+    """Finished run directories kept; older ones are deleted when a job is submitted (those whose
+    kernel is gone first)."""
+    keep_runs_bytes: int = 1 << 30
+    """Bytes the finished runs may take together; past it the oldest are deleted (those whose kernel
+    is gone first), except the newest of a running kernel not yet read back."""
     warm: bool = dataclasses.field(default_factory=lambda: os.environ.get("NBSHARD_WARM", "1") != "0")
     """Fork launchers and ranks from a warm process that has imported ``preload`` (``$NBSHARD_WARM=0``
     turns it off); a launch that cannot be warm is cold and says why in one line."""
@@ -79,7 +84,8 @@ def _as_job(target: Job | Callable[..., Any], args: tuple[Any, ...], options: di
 def _new_run_dir(label: str) -> RunDir:
     root = settings.runs_dir
     make_private_dirs(root)  # refuses a directory another local user could swap things in
-    _prune_runs(root, settings.keep_runs)
+    _prune_runs(root, settings.keep_runs, settings.keep_runs_bytes)
+    _sweep_once()
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in label)[:40]
     path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{secrets.token_hex(3)}"
     longest = path / f".torchelastic-error-{10**6}.json.{10**7}.tmp"  # the longest name a run writes
@@ -94,33 +100,80 @@ def _new_run_dir(label: str) -> RunDir:
     return RunDir(path)
 
 
-def _own_finished_run(path: Path) -> float | None:
-    """The run's mtime if it is one of ours and finished; None for anything else (another
-    user's entry, a file, one that cannot be read): pruning leaves those alone."""
+@dataclasses.dataclass(frozen=True)
+class _FinishedRun:
+    path: Path
+    mtime: float
+    kernel_gone: bool  # nobody can read its results any more
+    unread: bool  # it still holds result files
+    size: int
+
+
+def _finished_run(path: Path) -> _FinishedRun | None:
+    """One of ours that has ended (its launcher wrote the outcome or is gone, or its kernel died);
+    None for anything else (another user's entry, a file, a run still going, one unreadable):
+    pruning leaves those alone."""
     try:
         st = os.lstat(path)
         if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
             return None
-        return st.st_mtime if (path / "outcome.json").exists() or _launcher_gone(path) else None
+        kernel_gone = _kernel_gone(path)
+        launcher_left = (path / "launcher.pid").exists() or kernel_gone  # it ran, or never will
+        if not ((path / "outcome.json").exists() or launcher_left and not _launcher_alive(path)):
+            return None
+        files = [Path(folder, name) for folder, _, names in os.walk(path) for name in names]
+        size = sum(os.lstat(file).st_size for file in files)
+        unread = any(file.name.startswith("result-") for file in files)
+        return _FinishedRun(path, st.st_mtime, kernel_gone, unread, size)
     except OSError:
         return None
 
 
-def _prune_runs(root: Path, keep: int) -> None:
-    """Delete finished run directories beyond the newest ``keep``."""
-    finished = sorted(
-        (mtime, path) for path in root.iterdir() if (mtime := _own_finished_run(path)) is not None
-    )
-    for _, path in finished[: max(len(finished) - keep, 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+def _kernel_gone(path: Path) -> bool:
+    """Whether the kernel that started this run has exited (a reused pid is not it)."""
+    try:
+        kernel = read_json(path / "launch.json").get("kernel")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(kernel, str) and process_identity(int(kernel.split(":")[0])) != kernel
 
 
-def _launcher_gone(path: Path) -> bool:
+def _launcher_alive(path: Path) -> bool:
     try:
         os.kill(int((path / "launcher.pid").read_text()), 0)
     except (OSError, ValueError):
-        return (path / "launcher.pid").exists()
-    return False
+        return False
+    return True
+
+
+def _prune_runs(root: Path, keep: int, keep_bytes: int) -> None:
+    """Delete the results a dead kernel can no longer read, then finished runs beyond the newest
+    ``keep`` or ``keep_bytes``: those of dead kernels first, then the oldest."""
+    runs = [run for path in root.iterdir() if (run := _finished_run(path)) is not None]
+    for run in runs:
+        if run.kernel_gone and run.unread:
+            for result in run.path.rglob("result-*.pkl"):
+                result.unlink(missing_ok=True)
+    runs.sort(key=lambda run: (not run.kernel_gone, run.mtime))
+    count, total = len(runs), sum(run.size for run in runs)
+    for run in runs:
+        if count <= keep and total <= keep_bytes:
+            break
+        if run.unread and not run.kernel_gone:  # its kernel lives and may be reading it now
+            continue
+        shutil.rmtree(run.path, ignore_errors=True)
+        count, total = count - 1, total - run.size
+
+
+def _sweep_once() -> None:
+    """What dead kernels and lost nodes left in the temp directory goes, once per kernel."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_temp()
+
+
+_swept = False
 
 
 class TooManyRanks(UserWarning):
@@ -163,6 +216,12 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
     cwd = os.fspath(job.cwd) if job.cwd is not None else os.getcwd()
     if not os.path.isdir(cwd):
         raise ValueError(f"cwd {cwd!r} is not a directory")
+    home = job.env.get("PYTHONHOME")
+    if home is not None and job.backend == "subprocess" and not os.path.isdir(home):
+        raise ValueError(
+            f"env sets PYTHONHOME to {home!r}, which is not a directory here: no Python could start with it "
+            "(\"Fatal Python error: init_fs_encoding\"). Drop it from env=, or point it at a Python's prefix."
+        )
     warn_if_kernel_holds_cuda()
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
@@ -174,14 +233,15 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
         write_atomic(run_dir.key, key)
         if payload is not None:
             write_atomic(run_dir.job, payload)
-        receiver = Receiver(key)
+        receiver = Receiver(key, run_dir.path)
         write_json(run_dir.launch, {
             "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
             "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "nnodes": job.nnodes,
             "env": dict(job.env), "gpus": None if job.gpus is None else list(job.gpus),
             "backend_options": dict(job.backend_options), "run_id": run_dir.path.name,
             "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
-            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), **spec,
+            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), "kernel": process_identity(os.getpid()),
+            **spec,
         })
         env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)
         launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import dataclasses
+import errno
 import linecache
+import resource
 import signal
 import sys
 from typing import Any
@@ -49,6 +51,42 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def start_failure(error: OSError, rank: int, started: int, nproc: int) -> str:
+    """Why the launcher could not start ``rank`` (``started`` of the ``nproc`` ranks of its
+    node were running), with the likely cause and what to do."""
+    what = f"nbshard could not start rank {rank} ({started} of the {nproc} ranks on this node had started): {error.strerror or error}"
+    if error.errno == errno.EAGAIN:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        container = _pids_max()
+        where = f"this container's (cgroup pids.max: {container})" if container else "the system's"
+        return (
+            f"{what} (EAGAIN). Likely cause: a limit on processes was reached, threads included: this "
+            f"user's (ulimit -u: {limit}) or {where}. Run fewer ranks (nproc=), end other processes, or "
+            "raise the limit."
+        )
+    if error.errno == errno.ENOMEM:
+        return f"{what} (ENOMEM). Likely cause: the machine is out of memory. Run fewer ranks (nproc=) or free memory."
+    return f"{what}. Look at the launcher's log in the run directory for more."
+
+
+def _pids_max() -> str | None:
+    """The process limit of this process's cgroup (a container's), or None where there is none."""
+    try:
+        with open("/proc/self/cgroup") as groups:
+            for line in groups:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers in ("pids", ""):
+                    base = "/sys/fs/cgroup/pids" if controllers == "pids" else "/sys/fs/cgroup"
+                    with open(f"{base}{path.rstrip('/')}/pids.max") as limit:
+                        value = limit.read().strip()
+                    if value != "max":
+                        return value
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def likely_cause(signame: str) -> str:

@@ -1,8 +1,12 @@
 """Atomic files and private directories: the run directory is the source of truth, so no
-reader ever sees half a file, and the kernel reads only a directory it made and still holds."""
+reader ever sees half a file, and the kernel reads only a directory it made and still holds.
+
+Every file and directory nbshard makes has an explicit private mode (0600, 0700), whatever
+the umask: a run's files stay this user's even under ``umask 000``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -10,7 +14,33 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OpenedDir", "RunDirReplaced", "identity", "make_private_dirs", "read_json", "write_atomic", "write_atomic_with", "write_json"]
+__all__ = [
+    "OpenedDir", "RunDirReplaced", "identity", "make_private_dirs", "mkdir_private", "open_private", "read_json",
+    "write_atomic", "write_atomic_with", "write_json",
+]
+
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+
+
+def open_private(path: Path | str, mode: str = "wb", **options: Any) -> Any:
+    """``open(path, mode)`` for writing (``"w"``/``"a"``, text or binary) that creates the file
+    with mode 0600, not the umask's; ``options`` go to ``open`` (``buffering``, ``encoding``)."""
+    fd = os.open(path, _OPEN_FLAGS[mode[0]] | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, mode, **options)
+
+
+def mkdir_private(path: Path, exist_ok: bool = False) -> None:
+    """``mkdir -p`` where every directory it makes, parents included, has mode 0700."""
+    missing = []
+    for directory in (path, *path.parents):
+        if os.path.lexists(directory):
+            break
+        missing.append(directory)
+    if not missing and not exist_ok:
+        raise FileExistsError(f"{path} exists")
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -55,16 +85,7 @@ def make_private_dirs(path: Path) -> None:
     """Create ``path`` (and missing parents) with mode 0700, and check that no other local user
     can swap it or anything above it; ``PermissionError`` that says why and what to do."""
     path = Path(os.path.abspath(path))
-    missing = []
-    for parent in (path, *path.parents):
-        if os.path.lexists(parent):
-            break
-        missing.append(parent)
-    for directory in reversed(missing):
-        try:
-            directory.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
+    mkdir_private(path, exist_ok=True)
     real = Path(os.path.realpath(path))
     for component in (real, *real.parents):
         problem = _unsafe_because(component, os.lstat(component), last=component == real)

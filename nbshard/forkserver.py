@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nbshard.files import write_json
 from nbshard.forking import fork_fresh
 
 __all__ = ["MAX_REQUEST_BYTES", "main"]
@@ -46,9 +47,7 @@ _ALWAYS = (
 
 
 def _write_status(directory: Path, status: dict[str, Any]) -> None:
-    temporary = directory / f".{STATUS_NAME}.tmp"
-    temporary.write_text(json.dumps(status))
-    temporary.replace(directory / STATUS_NAME)
+    write_json(directory / STATUS_NAME, status)
 
 
 # Threads a fork copies safely: jemalloc, which some wheels bundle (on an H200 image
@@ -96,24 +95,34 @@ def _unsafe_to_fork() -> str | None:
     return None
 
 
-def _module_files() -> dict[str, tuple[int, int]]:
+FileStamp = tuple[int, int, int, int, int]
+
+
+def _stamp(path: str) -> FileStamp:
+    """What changes whenever a file's content can have changed. Not mtime and size alone: an
+    edit may keep both (a tool that restores the mtime); the inode's change time (ctime) is
+    set by the kernel on every write and every mtime change, and cannot be set back, and a
+    file replaced by a rename has a new inode."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+def _module_files() -> dict[str, FileStamp]:
     files = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if isinstance(path, str) and os.path.isabs(path):
             with contextlib.suppress(OSError):
-                stat = os.stat(path)
-                files[path] = (stat.st_mtime_ns, stat.st_size)
+                files[path] = _stamp(path)
     return files
 
 
-def _changed_module(files: dict[str, tuple[int, int]]) -> str | None:
-    for path, (mtime, size) in files.items():
+def _changed_module(files: dict[str, FileStamp]) -> str | None:
+    for path, stamp in files.items():
         try:
-            stat = os.stat(path)
+            if _stamp(path) != stamp:
+                return path
         except OSError:
-            return path
-        if (stat.st_mtime_ns, stat.st_size) != (mtime, size):
             return path
     return None
 
@@ -218,13 +227,17 @@ def _kernel_pidfd(kernel_pid: int) -> int | None:
 
 
 def main(directory: str) -> int:
-    """Preload, check, then serve the kernel's launch requests until it goes away."""
+    """Preload, check, then serve the kernel's launch requests until it goes away. Once the
+    kernel is gone this process removes the directory (the kernel cannot); while it lives, the
+    kernel reads why a start failed there and removes it (a kernel that died meanwhile leaves
+    it to the next nbshard start's sweep)."""
     started = time.monotonic()
     root = Path(directory)
     config = json.loads(sys.stdin.buffer.readline() or b"{}")
     kernel_pidfd = _kernel_pidfd(int(config.get("kernel_pid", 0)))
-    if kernel_pidfd is None:
-        return 1  # the kernel is already gone
+    if kernel_pidfd is None:  # the kernel is already gone (it may have died a moment after starting this)
+        shutil.rmtree(root, ignore_errors=True)
+        return 1
     problem = None
     for name in (*_ALWAYS, *config.get("preload", ())):
         try:
@@ -244,7 +257,7 @@ def main(directory: str) -> int:
         "preloaded": list(config.get("preload", ())), "modules": len(server.modules),
     })
     server.serve()
-    shutil.rmtree(root, ignore_errors=True)  # the kernel may be gone and cannot clean up
+    shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

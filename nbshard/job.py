@@ -8,6 +8,7 @@ call and compare.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,8 @@ __all__ = [
     "RANK_FILES",
     "STACK_DUMP_WAIT",
     "Job",
+    "check_count",
+    "check_seconds",
     "RunDir",
     "APPLIED_AT_FORK",
     "TORCHRUN_VARIABLES",
@@ -117,6 +120,28 @@ class Job:
         return self.name or getattr(self.fn, "__qualname__", None) or repr(self.fn)
 
 
+MAX_SECONDS = 1e9  # about 31 years; also below what Python's waits take (threading.TIMEOUT_MAX)
+
+
+def check_seconds(name: str, value: Any, *, optional: bool = False) -> None:
+    """``ValueError`` unless ``value`` is a positive, finite number of seconds (or None when
+    ``optional``): NaN compares false with everything, so a deadline made of it never comes."""
+    if value is None and optional:
+        return
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float))
+        or not math.isfinite(value) or not 0 < value <= MAX_SECONDS
+    ):
+        none = " (None for no limit)" if optional else ""
+        raise ValueError(f"{name} must be a positive, finite number of seconds up to {MAX_SECONDS:g}{none}, got {value!r}")
+
+
+def check_count(name: str, value: Any) -> None:
+    """``ValueError`` unless ``value`` is a finite number >= 0 (a count of CPUs or GPUs)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 def _validate(job: Job) -> None:
     if not callable(job.fn):
         raise TypeError(f"Job.fn must be callable, got {type(job.fn).__name__}: {job.fn!r}")
@@ -143,14 +168,20 @@ def _validate(job: Job) -> None:
     for key, value in job.env.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"env must map str to str; {key!r}: {value!r} is not (use str(value))")
+        if not key or "=" in key or "\0" in key:
+            raise ValueError(
+                f"env holds the variable name {key!r}, which no environment can hold: a name is non-empty, "
+                "without '=' or NUL characters"
+            )
+        if "\0" in value:
+            raise ValueError(f"env[{key!r}] holds a NUL character, which no environment variable can hold; remove it")
         if key in TORCHRUN_VARIABLES or key == "CUDA_VISIBLE_DEVICES":
             option = "gpus=" if key == "CUDA_VISIBLE_DEVICES" else "nproc= / master_port="
             raise ValueError(f"env sets {key}, which nbshard sets for each rank; use {option} instead")
     if job.cwd is not None and not isinstance(job.cwd, (str, os.PathLike)):
         raise TypeError(f"cwd must be a path, got {type(job.cwd).__name__}")
     for field, value in (("timeout", job.timeout), ("grace", job.grace), ("sample_interval", job.sample_interval)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+        check_seconds(field, value, optional=field != "grace")
     if not isinstance(job.backend, str):
         raise TypeError(f"backend must be a name such as 'subprocess', got {job.backend!r}")
     if not isinstance(job.backend_options, Mapping) or not all(isinstance(k, str) for k in job.backend_options):

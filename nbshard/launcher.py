@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from nbshard import attempts
-from nbshard.errors import signal_name
-from nbshard.files import read_json, write_json
+from nbshard.errors import signal_name, start_failure
+from nbshard.files import open_private, read_json, write_atomic, write_json
 from nbshard.forking import ForkedProcess, fork_rank
 from nbshard.fresh import cold_command
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
@@ -56,7 +56,7 @@ class Rank:
     def __init__(self, rank: int, popen: subprocess.Popen[bytes] | ForkedProcess, log_path: Path) -> None:
         self.rank = rank
         self.popen = popen
-        self.log = open(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
+        self.log = open_private(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
         self.pipes = (popen.stdout, popen.stderr)
         self.splitters = {pipe.fileno(): LineSplitter(name) for pipe, name in zip(self.pipes, ("out", "err"))}
         self.open_fds = set(self.splitters)
@@ -122,6 +122,7 @@ class Launcher:
         self.signalled: str | None = None
         self.signal_received: str | None = None
         self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
+        self.start_error: str | None = None  # why a rank could not be started (fork refused: a process limit)
         self.final = False  # cancelled, or the kernel is gone: a failure now is not restarted
         self.attempts: list[dict[str, Any]] = []  # the failed attempts that were restarted
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -394,7 +395,13 @@ class Launcher:
         one_node = self.spec.get("nnodes", 1) == 1  # else the port is node 0's, chosen for every node
         port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, self.spec.get("restart_count", 0), 0
         while True:
-            self.start_ranks(port, restart_count)
+            try:
+                self.start_ranks(port, restart_count)
+            except OSError as error:  # a restart would meet the same limit
+                started, nproc = len(self.ranks), self.spec["nproc"]
+                self.start_error = start_failure(error, self.spec.get("node_rank", 0) * nproc + started, started, nproc)
+                self.final = True
+                self.stop_started_ranks()
             self.supervise(deadline)
             if one_node and port_retries + 1 < PORT_ATTEMPTS and self.port_was_taken():
                 port_retries += 1
@@ -407,6 +414,17 @@ class Launcher:
                 return self.outcome(port)
             self.reset_for_retry()
             restart_count += 1
+
+    def stop_started_ranks(self) -> None:
+        """The job cannot run whole: SIGKILL and reap the ranks started so far, before anything
+        else, so the processes a limit counts are free again when ZeroMQ needs its thread (libzmq
+        aborts when it cannot start one)."""
+        for proc in self.ranks:
+            proc.stopped = True
+            proc.signal(signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                proc.popen.wait()
+        self.request_stop("failed", stacks=False, grace=0)
 
     def may_restart(self) -> bool:
         """A failure (not a cancel, a timeout or a full disk) with restarts left, the kernel waiting."""
@@ -446,6 +464,7 @@ class Launcher:
         return {
             "status": status,
             "storage_error": self.storage_error,
+            "start_error": self.start_error,
             "first_failure": self.first_failure,
             "master_port": port,
             "notes": self.notes,
@@ -480,7 +499,7 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
     """Supervise the run in ``run_dir`` to its end; returns the exit code."""
     paths = RunDir(Path(run_dir))
     adopt_orphans()
-    (paths.path / "launcher.pid").write_text(str(os.getpid()))
+    write_atomic(paths.path / "launcher.pid", str(os.getpid()).encode())
     launcher_class = Launcher
     if read_json(paths.launch).get("session"):
         from nbshard.session_launcher import SessionLauncher as launcher_class  # noqa: N813 - one class or the other

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from nbshard.files import open_private
 from nbshard.wire import Sender
 
 __all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_sample"]
@@ -195,7 +196,7 @@ class Monitor:
         self.rank = rank
         self._sender = Sender(address, key, linger_ms=LINGER_MS)
         # Every metric also goes to a file in the run directory: the wire may drop under load, the file never.
-        self._metrics_file = open(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115
+        self._metrics_file = open_private(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115
         self._lock = threading.Lock()  # the socket is shared by the sampler and user code
         self._stop = threading.Event()
         self._interval = interval

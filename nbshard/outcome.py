@@ -77,6 +77,32 @@ def _earlier_attempts(outcome: dict[str, Any]) -> str:
     return f"\nThis was attempt {len(attempts) + 1}, after {len(attempts)} restart{'s' * (len(attempts) > 1)}: {causes}."
 
 
+LAUNCHER_LOG_TAIL = 12  # lines of a launcher's own log shown when it ended without an outcome
+
+
+def _launcher_died(files: OpenedDir, run_dir: RunDir, launcher_exit: int | None) -> str:
+    """What to say of a launcher that ended without writing the outcome: killed from outside
+    (a signal, an empty log), or failed by itself (its own last lines say how)."""
+    how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
+    try:
+        lines = files.read_bytes(run_dir.launcher_log).decode(errors="replace").rstrip().splitlines()
+    except OSError:
+        lines = []
+    if launcher_exit is not None and launcher_exit > 0 and lines:
+        tail = "\n".join(f"    {line}" for line in lines[-LAUNCHER_LOG_TAIL:])
+        return (
+            f"The nbshard launcher {how} before the job ended, so the ranks were stopped with it. "
+            f"It failed by itself; the last lines of its log ({run_dir.launcher_log}):\n{tail}\n"
+            "Likely cause: the job's environment (env=, e.g. PYTHONHOME or PYTHONPATH) or this machine's "
+            "limits keep Python or nbshard from starting there."
+        )
+    return (
+        f"The nbshard launcher {how} before the job ended, so the ranks were stopped "
+        f"with it. Likely cause: it was killed from outside, or it crashed; its own log is "
+        f"{run_dir.launcher_log}."
+    )
+
+
 def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:
     """The launcher's ``outcome.json``, or None when it ended without writing one."""
     return files.read_json(run_dir.outcome) if files.exists(run_dir.outcome) else None
@@ -110,13 +136,9 @@ def collect(
             failures, where,
         )
     if outcome is None:
-        how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
-        return None, JobFailed(
-            f"The nbshard launcher {how} before the job ended, so the ranks were stopped "
-            f"with it. Likely cause: it was killed from outside, or it crashed; its own log is "
-            f"{run_dir.launcher_log}.",
-            run_dir=where,
-        )
+        return None, JobFailed(_launcher_died(files, run_dir, launcher_exit), run_dir=where)
+    if outcome.get("start_error"):
+        return None, JobFailed(outcome["start_error"], _rank_failures(files, run_dir, outcome["ranks"]), where)
     status = outcome["status"]
     if status == "succeeded":
         try:

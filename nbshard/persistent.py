@@ -22,9 +22,9 @@ from typing import Any
 from nbshard.backends import WarmLauncher
 from nbshard.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
-from nbshard.files import OpenedDir, read_json, write_atomic
+from nbshard.files import OpenedDir, mkdir_private, read_json, write_atomic
 from nbshard.handle import JobHandle
-from nbshard.job import CANCEL, KILL, Job, RunDir
+from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
 from nbshard.session_rank import NAMES_FILE
 from nbshard.telemetry import Telemetry
@@ -178,7 +178,7 @@ class Session:
                 )
             call = f"{next(self._numbers):04d}"
             call_dir = RunDir(self.run_dir / "calls" / call)
-            call_dir.path.mkdir(parents=True, mode=0o700)
+            mkdir_private(call_dir.path)
             write_atomic(call_dir.job, payload)
             channel = _CallChannel(self)
             for sample in self._last_samples.values():  # the memory the session holds, from the start
@@ -348,8 +348,7 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
         raise TypeError(f"unknown session option(s) {', '.join(sorted(unknown))}; a session takes {', '.join(sorted(_SESSION_OPTIONS))}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"a session's name is a non-empty string, got {name!r}")
-    if isinstance(interrupt_grace, bool) or not isinstance(interrupt_grace, (int, float)) or interrupt_grace <= 0:
-        raise ValueError(f"interrupt_grace must be a positive number of seconds, got {interrupt_grace!r}")
+    check_seconds("interrupt_grace", interrupt_grace)
     with _sessions_lock:
         existing = _sessions.get(name)
         if existing is not None:  # running, diverged or lost: lost stays lost until restart() or close()

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from nbshard.errors import likely_cause, signal_name
-from nbshard.files import write_json
+from nbshard.files import open_private, write_json
 from nbshard.job import RunDir
 from nbshard.launcher import FAILURE_GRACE, Launcher, Rank
 from nbshard.ports import pick_port
@@ -122,7 +122,7 @@ class SessionLauncher(Launcher):
         self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         for proc in self.ranks:
             self.session_logs[proc.rank] = proc.log
-            proc.log = open(self.call_dir.log(proc.rank), "ab", buffering=0)  # noqa: SIM115 - closed in end_call
+            proc.log = open_private(self.call_dir.log(proc.rank), "ab", buffering=0)  # noqa: SIM115 - closed in end_call
         for rank, fd in self.commands.items():
             os.write(fd, f"{call} {digest} {return_all}\n".encode())
 

@@ -13,6 +13,11 @@ so a captured frame replayed or reordered is never shown twice. The kernel's
 socket refuses frames over ``MAX_FRAME_BYTES`` (ZeroMQ closes such a peer before
 holding its frame), and senders drop their own messages over ``MAX_MESSAGE_BYTES``.
 
+Every socket that receives (the kernel's, a node's relay) is an ``ipc://`` path inside a
+directory only this user can enter (``bind_private``), never a TCP port: another local user
+cannot connect at all, so cannot queue frames in the receiver's memory before their signature
+is checked.
+
 Message kinds:
 
 - ``lines``: ``{"rank", "lines": [[time, stream, text, is_update], ...]}``;
@@ -30,10 +35,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import zmq
+
+from nbshard.leftovers import hold_alive
 
 __all__ = [
     "KEY_BYTES",
@@ -41,6 +52,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "Receiver",
     "Sender",
+    "bind_private",
     "decode",
     "encode",
     "new_key",
@@ -52,6 +64,8 @@ LINGER_MS = 2000  # how long a closing sender may spend flushing
 MAX_MESSAGE_BYTES = 1 << 22  # 4 MiB: a sender drops a larger message of its own (lines come in 64 KiB reads)
 MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES  # what the kernel's socket takes from any peer
 RECEIVE_BATCH = 32  # messages decoded per receive() call
+SOCKET_NAME = "wire.sock"
+IPC_PATH_MAX = 100  # bytes: a Unix socket's path must fit sun_path (108 with its NUL)
 
 
 def new_key() -> bytes:
@@ -81,10 +95,42 @@ def decode(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
-class Receiver:
-    """The kernel's end: one PULL socket bound on loopback for one run."""
+class PrivateEndpoint:
+    """A PULL socket's ``ipc://`` address inside ``directory`` (mode 0700, this user's), or,
+    where that path is too long for a Unix socket, inside a short private directory of the temp
+    directory that ``close`` removes (and, if this process dies, the next nbshard start)."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, socket: zmq.Socket, directory: Path) -> None:
+        path = Path(directory) / SOCKET_NAME
+        self.spare: Path | None = None
+        self._alive: int | None = None
+        if len(os.fsencode(path)) > IPC_PATH_MAX:
+            self.spare = Path(tempfile.mkdtemp(prefix="nbshard-wire-"))  # 0700
+            self._alive = hold_alive(self.spare)
+            path = self.spare / SOCKET_NAME
+        socket.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+        self.address = f"ipc://{path}"
+
+    def close(self) -> None:
+        if self._alive is not None:
+            os.close(self._alive)
+            self._alive = None
+        if self.spare is not None:
+            shutil.rmtree(self.spare, ignore_errors=True)
+
+
+def bind_private(socket: zmq.Socket, directory: Path) -> PrivateEndpoint:
+    """Bind a receiving ``socket`` where only this user's processes can reach it; a frame over
+    ``MAX_FRAME_BYTES`` closes its sender."""
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    return PrivateEndpoint(socket, directory)
+
+
+class Receiver:
+    """The kernel's end: one PULL socket for one run, bound inside the run's private directory."""
+
+    def __init__(self, key: bytes, directory: Path) -> None:
         self.key = key
         self.rejected = 0  # frames dropped: unsigned, badly signed, replayed or out of order
         self.replayed = 0  # of those, signed ones whose count was not new
@@ -92,9 +138,8 @@ class Receiver:
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        port = self._socket.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
+        self._endpoint = bind_private(self._socket, directory)
+        self.address = self._endpoint.address
 
     def receive(self, timeout: float, most: int = RECEIVE_BATCH) -> list[dict[str, Any]]:
         """Wait up to ``timeout`` seconds for a message, then take up to ``most`` already queued
@@ -129,6 +174,7 @@ class Receiver:
 
     def close(self) -> None:
         self._socket.close()
+        self._endpoint.close()
 
 
 class Sender:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbshard import monitor
-from nbshard.files import read_json, write_atomic, write_json
+from nbshard.files import open_private, read_json, write_atomic, write_json
 from nbshard.fresh import MAIN_NAMES
 from nbshard.job import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
@@ -52,7 +52,7 @@ def _dump_stacks_on_request(path: Path) -> None:
     collective or in C code still answers. The stacks go to a file of their
     own, not to stderr: the cell shows a short summary, the log the whole dump.
     """
-    stacks = open(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
+    stacks = open_private(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
     stacks.write(f"{MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
     stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)

@@ -154,6 +154,10 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train --nnodes 0\npass", "nnodes must be a positive integer"),
         ("%%shard_train --session s --nnodes 2\npass", "a session runs on one node"),
         ("%%shard_train --session s --max-restarts 1\npass", "a session keeps its ranks between cells"),
+        ("%%shard_train --timeout nan\npass", "timeout must be a positive, finite number of seconds"),
+        ("%%shard_train --grace nan\npass", "grace must be a positive, finite number of seconds"),
+        ("%%shard_train --timeout inf\npass", "timeout must be a positive, finite number of seconds"),
+        ("%%shard_train --session s --grace nan\npass", "grace must be a positive, finite number of seconds"),
     ],
 )
 def test_bad_input_is_a_usage_error_and_starts_nothing(notebook, runs_dir, cell, message):

@@ -7,8 +7,10 @@ this user's requests with the token; nothing outlives the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -92,14 +94,21 @@ def test_thread_pool_size_follows_the_job_environment(tmp_path, warm_on):
     assert handle.result(timeout=120) == 0 and handle.warm
 
 
-def test_a_changed_preloaded_module_is_never_used_stale(tmp_path, monkeypatch, warm_on):
-    module = tmp_path / "preloaded_helper.py"
+def preload_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """A module ``name`` (``VALUE = 'old'``) in ``tmp_path`` that the warm process preloads, ready."""
+    module = tmp_path / f"{name}.py"
     module.write_text("VALUE = 'old'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setattr(nbshard.settings, "preload", ["torch", "preloaded_helper"])
+    monkeypatch.setattr(nbshard.settings, "preload", ["torch", name])
     nbshard.run(programs.rank_and_value, 1, nproc=1)  # starts a warm process with the new preload
     warm_ready()
+    return module
+
+
+@pytest.mark.parametrize("keeps_size_and_mtime", [False, True])
+def test_a_changed_preloaded_module_is_never_used_stale(tmp_path, monkeypatch, warm_on, keeps_size_and_mtime):
+    module = preload_module(tmp_path, monkeypatch, "preloaded_helper")
 
     def value():
         import preloaded_helper
@@ -108,13 +117,53 @@ def test_a_changed_preloaded_module_is_never_used_stale(tmp_path, monkeypatch, w
 
     handle = nbshard.submit(value, nproc=1)
     assert handle.result(timeout=60) == "old" and handle.warm
-    module.write_text("VALUE = 'new, and longer'\n")
+    before = os.stat(module)
+    if keeps_size_and_mtime:  # as long as before, with the mtime put back, as some tools do
+        module.write_text("VALUE = 'NEW'\n")
+        os.utime(module, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (os.stat(module).st_size, os.stat(module).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    else:
+        module.write_text("VALUE = 'new, and longer'\n")
+    new = module.read_text().split("'")[1]
     handle = nbshard.submit(value, nproc=1)
-    assert handle.result(timeout=60) == "new, and longer"
+    assert handle.result(timeout=60) == new
     assert not handle.warm and "preloaded_helper.py changed on disk" in handle.launch_note
     warm_ready()
     handle = nbshard.submit(value, nproc=1)
-    assert handle.result(timeout=60) == "new, and longer" and handle.warm
+    assert handle.result(timeout=60) == new and handle.warm
+
+
+@pytest.mark.parametrize(("how", "says"), [
+    (signal.SIGSTOP, "was stopped (SIGSTOP, or a debugger holds it) and cannot answer"),
+    (signal.SIGKILL, "was killed by SIGKILL"),
+])
+def test_a_warm_process_that_cannot_answer_is_replaced_and_said_once(how, says, warm_on):
+    nbshard.run(programs.rank_and_value, 1, nproc=1)  # a warm process that matches this environment
+    lost = warm_ready()["pid"]
+    os.kill(lost, how)
+    try:
+        started = time.monotonic()
+        handle = nbshard.submit(programs.rank_and_value, 1, nproc=1)
+        took = time.monotonic() - started
+        assert handle.result(timeout=60) == 0
+        # Found at once (it was a 10 s wait for an answer before), the launch cold meanwhile.
+        assert took < 3.0, f"the launch waited {took:.1f} s on a warm process that could not answer"
+        assert not handle.warm
+        assert handle.launch_note == (
+            f"cold start: the warm process (pid {lost}) {says}; a new warm process is starting in the "
+            "background for the next launches"
+        )
+        status = warm_settled()
+        assert status["state"] == "ready" and status["pid"] != lost
+        again = nbshard.submit(programs.rank_and_value, 1, nproc=1)
+        assert again.result(timeout=60) == 0 and again.warm and again.launch_note is None
+        gone_by = time.monotonic() + 5
+        while warm._state(lost) not in (None, "Z"):  # the stopped one was not left stopped forever
+            assert time.monotonic() < gone_by, f"the lost warm process {lost} is still there"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(lost, signal.SIGKILL)
 
 
 def test_a_preload_that_starts_a_thread_turns_warm_start_off_with_one_note(tmp_path, monkeypatch, warm_on):

@@ -1,12 +1,26 @@
-"""Signed JSON messages over a real loopback ZMQ socket."""
+"""Signed JSON messages over a real ZMQ socket, bound inside a private directory."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
+import tempfile
 import time
+from pathlib import Path
 
+import pytest
 import zmq
 
-from nbshard.wire import Receiver, Sender, decode, encode, new_key
+from nbshard.wire import IPC_PATH_MAX, Receiver, Sender, decode, encode, new_key
+
+
+@pytest.fixture
+def private_dir():
+    """A short directory only this user can enter, as a run directory is (mode 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="wire-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def receive_all(receiver: Receiver, count: int, within: float = 5.0) -> list[dict]:
@@ -41,10 +55,11 @@ def test_wrong_key_missing_signature_and_garbage_are_refused():
     assert decode(key, [signature, payload + b" "]) is None
 
 
-def test_sender_to_receiver_in_order_over_loopback():
+def test_sender_to_receiver_in_order(private_dir):
     key = new_key()
-    receiver = Receiver(key)
-    assert receiver.address.startswith("tcp://127.0.0.1:")
+    receiver = Receiver(key, private_dir)
+    assert receiver.address == f"ipc://{private_dir}/wire.sock"  # no TCP port: only this user can connect
+    assert stat.S_IMODE(os.stat(private_dir / "wire.sock").st_mode) == 0o600
     sender = Sender(receiver.address, key)
     for index in range(500):
         assert sender.send({"kind": "event", "index": index})
@@ -54,9 +69,9 @@ def test_sender_to_receiver_in_order_over_loopback():
     assert [m["index"] for m in messages] == list(range(500))
 
 
-def test_unsigned_frames_are_dropped_and_counted():
+def test_unsigned_frames_are_dropped_and_counted(private_dir):
     key = new_key()
-    receiver = Receiver(key)
+    receiver = Receiver(key, private_dir)
     context = zmq.Context()
     intruder = context.socket(zmq.PUSH)
     intruder.connect(receiver.address)
@@ -72,9 +87,9 @@ def test_unsigned_frames_are_dropped_and_counted():
     assert receiver.rejected == 2
 
 
-def test_sender_never_blocks_when_nobody_reads():
+def test_sender_never_blocks_when_nobody_reads(private_dir):
     key = new_key()
-    receiver = Receiver(key)  # bound, but never read
+    receiver = Receiver(key, private_dir)  # bound, but never read
     sender = Sender(receiver.address, key)
     started = time.monotonic()
     results = [sender.send({"kind": "lines", "text": "x" * 1000}) for _ in range(20_000)]
@@ -85,9 +100,9 @@ def test_sender_never_blocks_when_nobody_reads():
     assert elapsed < 10
 
 
-def test_replayed_and_reordered_frames_are_dropped_and_counted():
+def test_replayed_and_reordered_frames_are_dropped_and_counted(private_dir):
     key = new_key()
-    receiver = Receiver(key)
+    receiver = Receiver(key, private_dir)
     tap = zmq.Context.instance().socket(zmq.PULL)  # capture genuine frames as an eavesdropper would
     tap_port = tap.bind_to_random_port("tcp://127.0.0.1")
     sender = Sender(f"tcp://127.0.0.1:{tap_port}", key)
@@ -108,9 +123,9 @@ def test_replayed_and_reordered_frames_are_dropped_and_counted():
     assert receiver.rejected == receiver.replayed == 3
 
 
-def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
-    # The receiver runs in a process of its own so its peak memory is its own; any local user
-    # can connect to its loopback port and send whatever they like.
+def test_oversized_frames_do_not_grow_the_kernel(private_dir):
+    # The receiver runs in a process of its own so its peak memory is its own; a process of this
+    # user (no other can reach the socket) sends whatever it likes.
     import subprocess
     import sys
 
@@ -119,14 +134,14 @@ def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
     program = (
         "import resource, sys, time\n"
         "from nbshard.wire import Receiver, new_key\n"
-        "receiver = Receiver(new_key())\n"
+        "receiver = Receiver(new_key(), sys.argv[2])\n"
         "print(receiver.address, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
         "deadline = time.monotonic() + float(sys.argv[1])\n"
         "while time.monotonic() < deadline:\n"
         "    receiver.receive(0.1)\n"
         "print(receiver.rejected, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
     )
-    kernel = subprocess.Popen([sys.executable, "-c", program, "8"], stdout=subprocess.PIPE, text=True,
+    kernel = subprocess.Popen([sys.executable, "-c", program, "8", str(private_dir)], stdout=subprocess.PIPE, text=True,
                               env={**__import__("os").environ, "PYTHONPATH": pythonpath(REPO)})
     try:
         address, before_kib = kernel.stdout.readline().split()
@@ -144,3 +159,19 @@ def test_oversized_frames_do_not_grow_the_kernel(tmp_path):
         kernel.wait()
     grown_mib = (int(after_kib) - int(before_kib)) / 1024
     assert grown_mib < 50, f"the kernel grew by {grown_mib:.0f} MiB"
+
+
+def test_a_directory_too_deep_for_a_unix_socket_gets_a_short_private_one_removed_at_close(private_dir):
+    deep = private_dir / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True, mode=0o700)
+    key = new_key()
+    receiver = Receiver(key, deep)
+    spare = Path(receiver.address.removeprefix("ipc://")).parent
+    assert len(os.fsencode(spare / "wire.sock")) <= IPC_PATH_MAX
+    assert spare.name.startswith("nbshard-wire-") and stat.S_IMODE(os.stat(spare).st_mode) == 0o700
+    sender = Sender(receiver.address, key)
+    assert sender.send({"kind": "event", "index": 1})
+    sender.close()
+    assert receive_all(receiver, 1) == [{"kind": "event", "index": 1}]
+    receiver.close()
+    assert not spare.exists()

@@ -13,7 +13,7 @@ from typing import Any
 
 from nbshard.backends.nodes import NodeGroup, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
-from nbshard.files import read_json, write_atomic, write_json
+from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
 from nbshard.job import RunDir, rank_environment
 from nbshard.ports import pick_port
@@ -52,6 +52,11 @@ class LauncherProcess:
                 stdin.write(command)
                 stdin.flush()
 
+    def signal(self, signum: int) -> None:
+        """Pass a signal on to the launcher (itself: it stops its ranks as for a cancel from outside)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signum)
+
     def end_input(self) -> None:
         """Close the pipe as a kernel's death would: the launcher stops its ranks."""
         with contextlib.suppress(OSError):
@@ -81,7 +86,7 @@ def _importable_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def _start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
-    with open(run_dir.launcher_log, "wb") as log:
+    with open_private(run_dir.launcher_log, "wb") as log:
         popen = subprocess.Popen(
             cold_command("nbshard.launcher", str(run_dir.path)),
             stdin=subprocess.PIPE,
@@ -135,7 +140,7 @@ def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], 
         try:
             for node_rank in range(spec["nnodes"]):
                 node_dir = run_dir.node(node_rank)
-                node_dir.path.mkdir(parents=True, mode=0o700)
+                mkdir_private(node_dir.path)
                 write_atomic(node_dir.key, run_dir.key.read_bytes())
                 if run_dir.job.exists():
                     os.link(run_dir.job, node_dir.job)

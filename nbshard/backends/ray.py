@@ -32,10 +32,11 @@ from typing import Any
 import zmq
 
 from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, node_outcome, read_log
-from nbshard.files import read_json, write_atomic, write_json
-from nbshard.job import RANK_FILES, RunDir
+from nbshard.files import mkdir_private, read_json, write_atomic, write_json
+from nbshard.job import RANK_FILES, RunDir, check_count, check_seconds
+from nbshard.leftovers import hold_alive, sweep_temp
 from nbshard.ports import pick_port
-from nbshard.wire import MAX_FRAME_BYTES
+from nbshard.wire import bind_private
 
 __all__ = ["ENV_ALLOW", "release_kept", "start_ray"]
 
@@ -53,15 +54,16 @@ class NodeAgent:
     """Lives on one node as a Ray actor: starts that node's launcher and relays its frames."""
 
     def __init__(self) -> None:
+        sweep_temp()  # what lost nodes and dead kernels left on this node
         self.folder = Path(tempfile.mkdtemp(prefix="nbshard-node-"))
+        self._alive = hold_alive(self.folder)  # until this actor dies, however it dies
         self.launcher: Any = None
         self.run_dir: RunDir | None = None
         self.frames: deque[list[bytes]] = deque(maxlen=RELAYED_FRAMES)
         self._context = zmq.Context()
         self._relay = self._context.socket(zmq.PULL)
-        self._relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._relay.setsockopt(zmq.LINGER, 0)
-        self.address = f"tcp://127.0.0.1:{self._relay.bind_to_random_port('tcp://127.0.0.1')}"
+        self.address = bind_private(self._relay, self.folder).address  # the ranks' only way in
         threading.Thread(target=self._receive, daemon=True).start()
 
     def _receive(self) -> None:
@@ -83,7 +85,7 @@ class NodeAgent:
         self.frames.clear()  # a kept actor: nothing of the last run (or attempt) goes to this one
         self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
         shutil.rmtree(self.run_dir.path, ignore_errors=True)  # a restarted job's last attempt
-        self.run_dir.path.mkdir(parents=True, mode=0o700)
+        mkdir_private(self.run_dir.path)
         write_atomic(self.run_dir.key, key)
         if job is not None:
             write_atomic(self.run_dir.job, job)
@@ -210,7 +212,12 @@ def _options(given: Mapping[str, Any]) -> dict[str, Any]:
     unknown = set(given) - _OPTIONS
     if unknown:
         raise ValueError(f"backend_options for ray: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
-    return {"num_cpus": 1, "num_gpus": 0, "resources": {}, "place_timeout": 60.0, "heartbeat": 30.0, "env_allow": (), "keep": False, **given}
+    options = {"num_cpus": 1, "num_gpus": 0, "resources": {}, "place_timeout": 60.0, "heartbeat": 30.0, "env_allow": (), "keep": False, **given}
+    for name in ("place_timeout", "heartbeat"):
+        check_seconds(f"backend_options[{name!r}]", options[name])
+    for name in ("num_cpus", "num_gpus"):
+        check_count(f"backend_options[{name!r}]", options[name])
+    return options
 
 
 def node_environment(kernel_env: Mapping[str, str], job_env: Mapping[str, str], allow: Sequence[str]) -> dict[str, str]:

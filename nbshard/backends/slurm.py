@@ -41,10 +41,10 @@ from typing import Any
 import zmq
 
 from nbshard.backends.nodes import Forwarder, NodeGroup, move_rank_files, node_outcome, read_log
-from nbshard.files import read_json, write_atomic, write_json
-from nbshard.job import KILL, RunDir
+from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
+from nbshard.job import KILL, RunDir, check_seconds
 from nbshard.ports import pick_port
-from nbshard.wire import MAX_FRAME_BYTES
+from nbshard.wire import bind_private
 
 __all__ = ["ENV_KEEP", "main", "start_slurm"]
 
@@ -59,6 +59,7 @@ MASTER_WAIT = 120.0  # seconds a node waits for node 0 to publish the rendezvous
 KILL_AFTER = 3.0  # seconds srun gets to end the step after a kill before it is stopped
 SRUN_END_WAIT = 10.0  # seconds srun gets to end by itself once the nodes have ended
 SRUN_TERM_WAIT = 5.0  # seconds between SIGTERM and SIGKILL to srun
+OUTCOME_WAIT = 5.0  # seconds a node's outcome may take to show on the shared filesystem once srun ended
 
 
 # -- the kernel's side ---------------------------------------------------------
@@ -69,7 +70,7 @@ class SlurmStep:
 
     def __init__(self, run_dir: RunDir, command: list[str], env: Mapping[str, str], forward: Forwarder, job_name: str) -> None:
         self.job_name = job_name
-        self._log = open(run_dir.path / "srun.log", "ab", buffering=0)  # noqa: SIM115 - closed in close()
+        self._log = open_private(run_dir.path / "srun.log", "ab", buffering=0)  # noqa: SIM115 - closed in close()
         self.popen = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=dict(env),
             cwd=str(run_dir.path), start_new_session=True,
@@ -136,16 +137,26 @@ class SlurmNode:
     def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int, heartbeat: float) -> None:
         self.step, self.node_dir, self.node_rank, self.heartbeat = step, node_dir, node_rank, heartbeat
         self._outcome: dict[str, Any] | None = None  # once written, it stays: read no more
+        self._srun_ended_at: float | None = None
 
     def poll(self) -> int | None:
         if self.outcome() is not None:
             return 0
-        return self.step.popen.poll()
+        return self._srun_code()
+
+    def _srun_code(self) -> int | None:
+        """srun's exit code once it ended and the node's outcome had ``OUTCOME_WAIT`` s to show (a
+        shared filesystem may show a file written on the node a moment later), else None."""
+        code = self.step.popen.poll()
+        if code is None:
+            return None
+        self._srun_ended_at = self._srun_ended_at or time.monotonic()
+        return code if time.monotonic() - self._srun_ended_at > OUTCOME_WAIT else None
 
     def lost(self) -> str | None:
-        code = self.step.popen.poll()  # before the outcome: a launcher writes it before srun can end
+        code = self._srun_code()  # before the outcome: a launcher writes it before its task, and so srun, can end
         heard = self.step.heard.get(self.node_rank)  # none before the task started: srun may wait in a queue
-        silent = code is None and heard is not None and time.monotonic() - heard > self.heartbeat
+        silent = self.step.popen.poll() is None and heard is not None and time.monotonic() - heard > self.heartbeat
         if (code is None and not silent) or self.outcome() is not None:
             return None  # the shared filesystem is read only when srun ended or the node went silent
         if silent:
@@ -186,6 +197,7 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
     if unknown:
         raise ValueError(f"backend_options for slurm: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
     options = {"srun_args": [], "env_allow": (), "heartbeat": 30.0, **spec.get("backend_options", {})}
+    check_seconds("backend_options['heartbeat']", options["heartbeat"])
     if spec.get("gpus") is not None:
         raise ValueError("backend='slurm' gives each node the GPUs Slurm assigns it: ask with srun_args=['--gpus-per-node=N'], not gpus=")
     from nbshard.backends.local import _importable_env
@@ -293,12 +305,12 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     spec = read_json(paths.launch)
     node_rank = int(os.environ["SLURM_NODEID"])
     node_dir = paths.node(node_rank)
-    node_dir.path.mkdir(parents=True, mode=0o700, exist_ok=True)
+    mkdir_private(node_dir.path, exist_ok=True)
     master_addr, port = _rendezvous(paths, node_rank)
     context = zmq.Context()
     relay = context.socket(zmq.PULL)
-    relay.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    address = f"tcp://127.0.0.1:{relay.bind_to_random_port('tcp://127.0.0.1')}"
+    endpoint = bind_private(relay, node_dir.path)  # the ranks' only way in
+    address = endpoint.address
     out = _Stdout()
     threading.Thread(target=_relay, args=(relay, out), daemon=True).start()
     threading.Thread(target=_say_alive, args=(node_rank, out), daemon=True).start()
@@ -312,10 +324,16 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     # The launcher's stdin is this task's: srun's, which carries the kernel's words and its end.
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARIABLES)}
     launcher = _start_cold(node_dir, env, spec["cwd"] if os.path.isdir(spec["cwd"]) else str(node_dir.path))
+    # Slurm signals every process of the step (scancel, a time limit): this task passes the signal on
+    # (the launcher may be in a session of its own) and ends after its launcher, so srun ends only
+    # once the launcher has written how its ranks ended, and the kernel reads "stopped from outside".
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda received, _: launcher.signal(received))
     threading.Thread(target=_pass_on, args=(launcher,), daemon=True).start()
     code = launcher.wait()
     time.sleep(0.5)  # the launcher's last frames, through the relay
     launcher.close()
+    endpoint.close()
     return code
 
 
