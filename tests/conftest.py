@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Tests kill kernels and nodes on purpose; what those leave in the temp directory (a socket's
+    or a warm process's directory) goes as the next nbshard start would take it."""
+    from nbshard.leftovers import sweep_temp
+
+    sweep_temp()
+
+
 def nbshard_processes() -> dict[int, str]:
     """Every live launcher and rank process on this machine, by pid."""
     found = {}
