@@ -91,8 +91,8 @@ def _launcher_died(files: OpenedDir, run_dir: RunDir, launcher_exit: int | None)
     if launcher_exit is not None and launcher_exit > 0 and lines:
         tail = "\n".join(f"    {line}" for line in lines[-LAUNCHER_LOG_TAIL:])
         return (
-            f"The nbshard launcher {how} before the job ended, so the ranks were stopped with it. "
-            f"It failed by itself; the last lines of its log ({run_dir.launcher_log}):\n{tail}\n"
+            f"The nbshard launcher failed by itself ({how}) before the job ended: {lines[-1].strip()}\n"
+            f"The last lines of its log ({run_dir.launcher_log}):\n{tail}\n"
             "Likely cause: the job's environment (env=, e.g. PYTHONHOME or PYTHONPATH) or this machine's "
             "limits keep Python or nbshard from starting there."
         )
