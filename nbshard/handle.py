@@ -21,7 +21,7 @@ from nbshard.backlog import LiveBacklog
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
-from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir
+from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
 from nbshard.outcome import collect, read_outcome
 from nbshard.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
@@ -237,6 +237,7 @@ class JobHandle:
         metrics and the newest lines (``logs(rank)`` has all), at most once per
         ``refresh`` seconds, and how the job ended.
         """
+        check_seconds("refresh", refresh)
         tail = TailView(self.job.show_ranks)
         live = LiveDisplay(lambda: self._render_view(tail))
         lock = threading.Lock()

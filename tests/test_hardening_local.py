@@ -100,6 +100,14 @@ def test_every_seconds_option_is_a_finite_positive_number_at_submit(option, valu
     assert not runs_dir.exists() or not list(runs_dir.iterdir()), "nothing may start for a bad option"
 
 
+def test_a_live_view_refreshed_every_nan_seconds_is_refused():
+    handle = nbshard.submit(programs.rank_and_value, 1, nproc=1)
+    for refresh in (float("nan"), 0, -1):  # each would spin a thread of the kernel without pause
+        with pytest.raises(ValueError, match="refresh must be a positive, finite number of seconds"):
+            handle.show_live(refresh=refresh)
+    assert handle.result(timeout=60) == 0
+
+
 def test_sessions_and_backends_refuse_nan_before_anything_starts(runs_dir):
     with pytest.raises(ValueError, match="interrupt_grace must be a positive, finite"):
         nbshard.session("nan-grace", interrupt_grace=float("nan"), nproc=1)
