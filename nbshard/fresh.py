@@ -25,6 +25,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nbshard.procfs import stat_fields
+
 __all__ = ["MAIN_NAMES", "become_fresh", "cold_command"]
 
 # What ``python -m`` puts in ``__main__`` before the module's own code runs; a rank's
@@ -45,8 +47,9 @@ def cold_command(module: str, run_dir: str) -> list[str]:
 
 
 def _argv_area() -> tuple[int, int]:
-    with open("/proc/self/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    fields = stat_fields("self")
+    if fields is None:
+        raise OSError("/proc/self/stat cannot be read")
     return int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of proc(5)
 
 

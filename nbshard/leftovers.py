@@ -3,8 +3,9 @@
 A directory nbshard makes in the system's temp directory (a warm process's, a Ray node's, a
 socket's) holds a lock from the moment it is made for as long as its owner lives
 (``hold_alive``); ``sweep_temp`` removes this user's directories whose lock nobody holds any
-more. One without the lock file is left alone: it is not known whose it is (an older nbshard's). Whether a run's kernel still lives
-is told by its pid and start time together (``process_identity``), so a reused pid is not it.
+more. One without the lock file is left alone: whose it is cannot be told (an older
+nbshard's). Whether a run's kernel still lives is told by its pid and start time together
+(``process_identity``), so a reused pid is not it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+
+from nbshard.procfs import stat_fields
 
 __all__ = ["ALIVE", "TEMP_PREFIXES", "hold_alive", "process_identity", "sweep_temp"]
 
@@ -64,9 +67,5 @@ def sweep_temp(root: Path | None = None) -> list[Path]:
 
 def process_identity(pid: int) -> str | None:
     """``"PID:START"`` (its start time in clock ticks since boot) while ``pid`` runs, else None."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            fields = file.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else f"{pid}:{fields[19]}"
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] == "Z" else f"{pid}:{fields[19]}"

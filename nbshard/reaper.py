@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+from nbshard.procfs import stat_fields
+
 __all__ = ["adopt_orphans", "kill_leftovers"]
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -22,10 +24,9 @@ def _live_processes() -> dict[int, tuple[int, int]]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp
-            if fields[0] != "Z":
-                table[int(entry.name)] = (int(fields[1]), int(fields[2]))
+        fields = stat_fields(entry.name)  # state, parent's pid, process group, ...
+        if fields is not None and fields[0] != "Z":
+            table[int(entry.name)] = (int(fields[1]), int(fields[2]))
     return table
 
 

@@ -31,6 +31,7 @@ from nbshard.errors import signal_name
 from nbshard.files import open_private
 from nbshard.job import TORCHRUN_VARIABLES, RunDir, import_time_environment
 from nbshard.leftovers import hold_alive
+from nbshard.procfs import stat_fields
 
 __all__ = ["WarmLauncher", "WarmProcess", "close_warm", "restart_warm", "start_pending_warm", "warm_launch", "warm_status"]
 
@@ -97,10 +98,9 @@ class WarmLauncher:
 
 
 def _state(pid: int) -> str | None:
-    """The process's state letter in /proc (R, S, D, T, Z, ...), None when it is gone."""
-    with contextlib.suppress(OSError, IndexError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    return None
+    """The process's state letter (R, S, D, T, Z, ...), None when it is gone."""
+    fields = stat_fields(pid)
+    return fields[0] if fields else None
 
 
 def _alive(pid: int) -> bool:
@@ -110,9 +110,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    with contextlib.suppress(OSError):  # a zombie waiting for the warm process counts as gone
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
+    return _state(pid) not in (None, "Z")  # a zombie waiting for the warm process counts as gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,10 +278,9 @@ def warm_launch(
         _pending = (rank_env, tuple(preload), cwd)
         what = f"the environment differs in {', '.join(differs)}, read at import" if differs else "the preloads changed"
         return None, f"cold start: {what}; the warm process is being replaced to match"
-    unable = _current.unable()
-    if unable is not None and _current.status()["state"] != "failed":  # it was ready, or starting
+    status, unable = _current.status(), _current.unable()
+    if unable is not None and status["state"] != "failed":  # it was ready, or starting
         return None, _lost(_current, f"the warm process (pid {_current.pid}) {unable}", rank_env, preload, cwd)
-    status = _current.status()
     if status["state"] == "starting":
         return None, _once("cold start: the warm process is still importing; the next launches fork from it")
     if status["state"] != "ready":
