@@ -121,12 +121,24 @@ def _finished_run(path: Path) -> _FinishedRun | None:
         launcher_left = (path / "launcher.pid").exists() or kernel_gone  # it ran, or never will
         if not ((path / "outcome.json").exists() or launcher_left and not _launcher_alive(path)):
             return None
-        files = [Path(folder, name) for folder, _, names in os.walk(path) for name in names]
-        size = sum(os.lstat(file).st_size for file in files)
-        unread = any(file.name.startswith("result-") for file in files)
+        size, unread = _sized(os.fspath(path))
         return _FinishedRun(path, st.st_mtime, kernel_gone, unread, size)
     except OSError:
         return None
+
+
+def _sized(folder: str) -> tuple[int, bool]:
+    """The bytes of the files below ``folder``, and whether a result file is among them."""
+    size, unread = 0, False
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                inner, inner_unread = _sized(entry.path)
+                size, unread = size + inner, unread or inner_unread
+            else:
+                size += entry.stat(follow_symlinks=False).st_size
+                unread = unread or entry.name.startswith("result-")
+    return size, unread
 
 
 def _kernel_gone(path: Path) -> bool:
