@@ -276,7 +276,7 @@ def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:
 
 
 class Forwarder:
-    """Puts frames relayed from remote nodes, as they came, on the kernel's own loopback socket
+    """Puts frames relayed from remote nodes, as they came, on the kernel's own socket
     (where they are checked against the run's key like local ones)."""
 
     def __init__(self, address: str) -> None:

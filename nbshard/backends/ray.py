@@ -3,7 +3,7 @@
 Ray places the actors (one per node, ``STRICT_SPREAD``, with the CPUs and GPUs asked for) and
 carries everything between the kernel and the nodes as actor calls: the job and its key go
 as call arguments, the ranks' signed frames come back in batches that the kernel's side
-forwards to its own loopback socket (where they are checked against the run's key as local
+forwards to its own socket (where they are checked against the run's key as local
 ones are), and the ranks' files come home when a node ends. The kernel opens no port. Ray
 owns the actors through the kernel's driver: when the kernel dies, Ray kills them, and each
 launcher, whose parent the actor is, stops its ranks.
