@@ -11,8 +11,8 @@ Everything else travels on Slurm's own channels, so the kernel opens no port: wh
 writes to srun's stdin (a cancel, a kill, and its end of file when the kernel dies) reaches
 every task, which hands it to its launcher as a local kernel would; the ranks' signed frames
 go to a Unix socket in their node's directory, read by the node's task, which writes them as
-text lines to its stdout,
-which srun brings to the kernel; the kernel checks them against the run's key.
+text lines to its stdout, which srun brings to the kernel; the kernel checks them against the
+run's key.
 
 Each task also says it is alive every second on that channel; a node not heard from for
 ``heartbeat`` seconds is lost (a frozen node or a broken network), and srun is stopped.
