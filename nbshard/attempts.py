@@ -7,7 +7,7 @@ kernel shows each attempt's cause.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from nbshard.errors import signal_name
 from nbshard.files import read_json
 from nbshard.job import RunDir
 
-__all__ = ["cause", "record", "set_aside"]
+__all__ = ["cause", "first_cause", "record", "set_aside"]
 
 
 def set_aside(run_dir: RunDir, ranks: Iterable[int], restart_count: int) -> Path:
@@ -27,6 +27,27 @@ def set_aside(run_dir: RunDir, ranks: Iterable[int], restart_count: int) -> Path
             with contextlib.suppress(FileNotFoundError):
                 path.rename(folder / path.name)
     return folder
+
+
+def first_cause(folder: Path, ranks: Sequence[dict[str, Any]]) -> tuple[int | None, str]:
+    """The rank of ``ranks`` (an outcome's entries: rank, ok, stopped, ended, exitcode) that failed
+    first, and its cause: the root, not a peer that failed because of it (gloo's "Connection closed
+    by peer") and whose exit happened to be seen first, by another node's launcher or in the same
+    tick. Ordered by when each rank raised (its error file, set aside in ``folder``), else by when
+    its exit was seen, as the job's final error orders its failures; a rank nbshard stopped counts
+    only if no other failed."""
+    failed = [e for e in ranks if not e["ok"] and not e["stopped"]] or [e for e in ranks if not e["ok"]]
+    errors = RunDir(folder)
+
+    def when(entry: dict[str, Any]) -> float:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return float(read_json(errors.error(entry["rank"]))["time"])
+        return float(entry["ended"] or 0.0)
+
+    if not failed:
+        return None, "(no rank reported why)"
+    first = min(failed, key=when)
+    return first["rank"], cause(errors.error(first["rank"]), first["rank"], first["exitcode"])
 
 
 def cause(error_file: Path, rank: int, returncode: int | None) -> str:

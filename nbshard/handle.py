@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher
@@ -57,7 +57,12 @@ def running_jobs() -> list[JobHandle]:
 class JobHandle:
     """A submitted job: ``result()``, ``done()``, ``cancel()``, ``logs(rank)``."""
 
-    def __init__(self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver) -> None:
+    def __init__(
+        self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
+        samples: Iterable[dict[str, Any]] = (),
+    ) -> None:
+        """``samples``: memory samples known before the job's own (a session's ranks hold memory
+        already), shown from the start."""
         self.job = job
         self.nproc = nproc
         self.run_dir = run_dir.path
@@ -89,6 +94,8 @@ class JobHandle:
         (``attempt``, the ``rank`` that failed first, the ``cause``, the ``files`` folder keeping
         its error and stack files)."""
         self._telemetry = Telemetry(nproc)
+        for sample in samples:
+            self._telemetry.add(sample)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
         self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
         self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)

@@ -438,11 +438,10 @@ class Launcher:
         """Set a failed attempt's files aside, remember its cause, mark it in each rank's log;
         returns what to tell the kernel."""
         folder = attempts.set_aside(self.run_dir, (p.rank for p in self.ranks), restart_count)
-        first = next((p for p in self.ranks if p.rank == self.first_failure), None)
-        why = "(no rank reported why)" if first is None else attempts.cause(
-            folder / self.run_dir.error(first.rank).name, first.rank, first.returncode
-        )
-        text = attempts.record(self.attempts, self.first_failure, why, folder, "every rank", self.spec["max_restarts"], restart_count)
+        rank, why = attempts.first_cause(folder, [
+            {"rank": p.rank, "ok": p.ok, "stopped": p.stopped, "ended": p.ended_at, "exitcode": p.returncode} for p in self.ranks
+        ])
+        text = attempts.record(self.attempts, rank, why, folder, "every rank", self.spec["max_restarts"], restart_count)
         for proc in self.ranks:
             self.to_log(proc, f"\n[nbshard] {text}\n".encode())
         return text

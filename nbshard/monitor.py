@@ -196,7 +196,9 @@ class Monitor:
         self.rank = rank
         self._sender = Sender(address, key, linger_ms=LINGER_MS)
         # Every metric also goes to a file in the run directory: the wire may drop under load, the file never.
-        self._metrics_file = open_private(metrics_path, "a", encoding="utf-8") if metrics_path else None  # noqa: SIM115
+        # Line-buffered: a session's rank keeps the file open across calls, and a call's records
+        # must be on disk when the call ends (the kernel reads them there; the wire may be late).
+        self._metrics_file = open_private(metrics_path, "a", encoding="utf-8", buffering=1) if metrics_path else None  # noqa: SIM115
         self._lock = threading.Lock()  # the socket is shared by the sampler and user code
         self._stop = threading.Event()
         self._interval = interval

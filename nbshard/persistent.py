@@ -16,7 +16,9 @@ import itertools
 import queue
 import subprocess
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from nbshard.backends import WarmLauncher
@@ -27,12 +29,13 @@ from nbshard.handle import JobHandle
 from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
 from nbshard.session_rank import NAMES_FILE
-from nbshard.telemetry import Telemetry
+from nbshard.telemetry import Telemetry, read_metrics_files
 
 __all__ = ["Session", "SessionBusy", "session", "sessions"]
 
 DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
 CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
+END_SAMPLE_WAIT = 1.0  # how long a new call may wait for the last call's closing memory samples
 _SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port"}
 _CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
 
@@ -93,14 +96,17 @@ class _CallChannel:
 class CallHandle(JobHandle):
     """One call of a session: a ``JobHandle`` whose ending speaks of the session."""
 
-    def __init__(self, session: Session, job: Job, call_dir: RunDir, channel: _CallChannel) -> None:
+    def __init__(self, session: Session, job: Job, call_dir: RunDir, channel: _CallChannel, samples: Iterable[dict[str, Any]]) -> None:
         self._session = session
-        super().__init__(job, session.nproc, call_dir, channel, channel)  # type: ignore[arg-type]
+        self._metrics_from = session._metrics_offsets()  # the session's files hold every call's records
+        super().__init__(job, session.nproc, call_dir, channel, channel, samples)  # type: ignore[arg-type]
         self.warm = session.warm
 
     def _collect(self, files: OpenedDir, outcome: dict[str, Any] | None) -> tuple[Any, JobError | None]:
         value, error = super()._collect(files, outcome)
-        self._all_metrics = self._telemetry.metrics()  # the session's metrics files hold every call's
+        # The call's log_metrics records, from the session's files: all are there when it ends (each
+        # is written before it is sent, and before the rank answers); the wire may bring some later.
+        self._all_metrics = read_metrics_files(self._session._metrics_files(), self._metrics_from)
         if files.exists(self._paths.path / NAMES_FILE):
             self._session._names = set(files.read_json(self._paths.path / NAMES_FILE))
         return value, self._session._call_error(outcome, error, str(self.run_dir))
@@ -176,18 +182,45 @@ class Session:
                     f"session {self.name!r} is still running {self._current.job.label}: one call runs at a time. "
                     "Wait for it (handle.result()) or interrupt it (handle.cancel())."
                 )
+            if self._current is not None:
+                self._await_samples(since=self._current.started)
             call = f"{next(self._numbers):04d}"
             call_dir = RunDir(self.run_dir / "calls" / call)
             mkdir_private(call_dir.path)
             write_atomic(call_dir.job, payload)
             channel = _CallChannel(self)
-            for sample in self._last_samples.values():  # the memory the session holds, from the start
-                channel.put(sample)
             self._channels[call] = channel
-            self._current = CallHandle(self, job, call_dir, channel)
+            # The memory the session holds shows from the call's start, before the call's first sample.
+            self._current = CallHandle(self, job, call_dir, channel, list(self._last_samples.values()))
             digest = hashlib.sha256(payload).hexdigest()
             self._command(f"run {call} {digest} {job.timeout or 0} {int(job.return_all)}")
             return self._current
+
+    def _metrics_files(self) -> list[Path]:
+        return [self._paths.metrics(rank) for rank in range(self.nproc)]
+
+    def _metrics_offsets(self) -> list[int]:
+        """How far each rank's metrics file goes now: where the next call's records start."""
+        offsets = []
+        for path in self._metrics_files():
+            try:
+                offsets.append(path.stat().st_size)
+            except OSError:
+                offsets.append(0)
+        return offsets
+
+    def _await_samples(self, since: float) -> None:
+        """Wait (``END_SAMPLE_WAIT`` s at most) until each rank's newest memory sample was taken
+        ``since`` the last call started. A rank sends one as each call ends, before its answer,
+        but on a connection of its own: it may arrive after the call's end, and the new call's view
+        starts from it."""
+        if self._options.get("sample_interval", 1.0) is None:
+            return
+        deadline = time.monotonic() + END_SAMPLE_WAIT
+        while time.monotonic() < deadline and any(
+            self._last_samples.get(rank, {}).get("time", 0.0) < since for rank in range(self.nproc)
+        ):
+            time.sleep(0.005)
 
     def run(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:
         """Run ``target(*args)`` in every rank, show the output live, return rank 0's value."""

@@ -43,12 +43,15 @@ def metrics_record(message: dict[str, Any]) -> dict[str, Any]:
     return {"rank": message["rank"], "time": message["time"], "step": message.get("step"), **message.get("values", {})}
 
 
-def read_metrics_files(paths: list[Any]) -> list[dict[str, Any]]:
-    """Every record of the ranks' metrics files, in time order; a torn last line is skipped."""
+def read_metrics_files(paths: list[Any], offsets: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every record of the ranks' metrics files (from ``offsets``, bytes into each), in time
+    order; a torn last line is skipped."""
     records = []
-    for path in paths:
+    for index, path in enumerate(paths):
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            with open(path, "rb") as file:
+                file.seek(offsets[index] if offsets else 0)
+                lines = file.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             continue
         for line in lines:

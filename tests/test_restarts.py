@@ -87,3 +87,27 @@ def test_a_session_refuses_a_job_with_restarts():
             session.run(nbshard.Job(print, max_restarts=1))
     finally:
         session.close()
+
+
+def test_the_restart_line_names_the_rank_that_raised_first_not_the_one_seen_first(tmp_path):
+    # Rank 1 raised; rank 0 failed because of it (its peer was gone) but its exit was seen first
+    # (by another node's launcher, or in the same tick): the line names rank 1, as the final error does.
+    from nbshard import attempts
+    from nbshard.files import write_json
+    from nbshard.job import RunDir
+
+    errors = RunDir(tmp_path)
+    write_json(errors.error(1), {"rank": 1, "time": 100.0, "exc_type": "builtins.RuntimeError", "message": "boom at step 2"})
+    write_json(errors.error(0), {"rank": 0, "time": 100.4, "exc_type": "builtins.RuntimeError",
+                                 "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:21391"})
+    seen = [
+        {"rank": 0, "ok": False, "stopped": False, "ended": 100.5, "exitcode": 1},
+        {"rank": 1, "ok": False, "stopped": False, "ended": 100.9, "exitcode": 1},
+        {"rank": 2, "ok": False, "stopped": True, "ended": 99.0, "exitcode": -15},  # stopped by nbshard: not a cause
+    ]
+    assert attempts.first_cause(tmp_path, seen) == (1, "on rank 1: RuntimeError: boom at step 2")
+    # Without error files (killed by a signal), the exit seen first is the cause.
+    assert attempts.first_cause(tmp_path / "none", seen) == (0, "on rank 0: exited with code 1")
+    assert attempts.first_cause(tmp_path, [{"rank": 0, "ok": True, "stopped": False, "ended": 1.0, "exitcode": 0}]) == (
+        None, "(no rank reported why)"
+    )

@@ -161,9 +161,7 @@ class NodeGroup:
         if outcome["lost_nodes"]:
             rank, why = None, "because " + "; ".join(f"node {node} was lost: {text}" for node, text in outcome["lost_nodes"].items())
         else:
-            failed = [e for e in outcome["ranks"] if not e["ok"] and not e["stopped"]] or [e for e in outcome["ranks"] if not e["ok"]]
-            first = min(failed, key=lambda e: e["ended"] or 0)
-            rank, why = first["rank"], attempts.cause(folder / self._run_dir.error(first["rank"]).name, first["rank"], first["exitcode"])
+            rank, why = attempts.first_cause(folder, outcome["ranks"])
         text = attempts.record(self.attempts, rank, why, folder, "every node", self._max_restarts, restart_count)
         for entry in outcome["ranks"]:
             with contextlib.suppress(OSError):
