@@ -43,7 +43,8 @@ ALLOWED = {
     "outcome": {"job", "files", "errors"},
     "backlog": set(),
     "handle": {"job", "files", "wire", "errors", "backends", "backlog", "display", "outcome", "telemetry"},
-    "client": {"job", "files", "wire", "backends", "handle", "leftovers", "pickling", "gpus"},
+    "client": {"job", "files", "wire", "backends", "handle", "leftovers", "pickling", "gpus", "runs"},
+    "runs": {"files", "job", "leftovers"},
     "testing": {"__init__"},
     "cell": {"pickling"},  # a rank pickles each pulled name on its own
     "magic": {"cell", "client", "errors", "handle", "job", "pickling", "persistent", "session_rank"},
