@@ -23,7 +23,7 @@ import pytest
 from conftest import processes_of, wait_until_gone
 
 import nbshard
-from nbshard.backends import warm
+from nbshard.backends import warm, warm_launcher
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -158,7 +158,7 @@ def test_a_warm_process_that_cannot_answer_is_replaced_and_said_once(how, says, 
         again = nbshard.submit(programs.rank_and_value, 1, nproc=1)
         assert again.result(timeout=60) == 0 and again.warm and again.launch_note is None
         gone_by = time.monotonic() + 5
-        while warm._state(lost) not in (None, "Z"):  # the stopped one was not left stopped forever
+        while warm_launcher.process_state(lost) not in (None, "Z"):  # the stopped one was not left stopped forever
             assert time.monotonic() < gone_by, f"the lost warm process {lost} is still there"
             time.sleep(0.05)
     finally:

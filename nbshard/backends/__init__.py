@@ -16,7 +16,7 @@ from nbshard.backends.local import LauncherProcess, start_local
 from nbshard.backends.nodes import NodeGroup
 from nbshard.backends.ray import start_ray
 from nbshard.backends.slurm import start_slurm
-from nbshard.backends.warm import WarmLauncher
+from nbshard.backends.warm_launcher import WarmLauncher
 
 __all__ = ["BACKENDS", "LauncherProcess", "NodeGroup", "WarmLauncher", "get_backend"]
 

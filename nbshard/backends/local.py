@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.backends.nodes import NodeGroup, move_rank_files, node_outcome, read_log
-from nbshard.backends.warm import WarmLauncher, start_pending_warm, warm_launch
+from nbshard.backends.warm import start_pending_warm, warm_launch
+from nbshard.backends.warm_launcher import WarmLauncher
 from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
 from nbshard.fresh import cold_command
 from nbshard.job import RunDir, rank_environment

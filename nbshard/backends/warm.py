@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.errors import signal_name
+from nbshard.backends.warm_launcher import WarmLauncher, process_state
 from nbshard.files import open_private
 from nbshard.job import TORCHRUN_VARIABLES, RunDir, import_time_environment
 from nbshard.leftovers import hold_alive
-from nbshard.procfs import stat_fields
 
 __all__ = ["WarmLauncher", "WarmProcess", "close_warm", "restart_warm", "start_pending_warm", "warm_launch", "warm_status"]
 
@@ -39,78 +38,6 @@ REPLY_WAIT = 10.0  # seconds the warm process may take to fork a launcher
 ANSWER_CHECK = 0.1  # while waiting, how often the kernel checks that the warm process can still answer
 _COMMAND_LINE_ROOM = 4200  # empty arguments: room for a forked process to show its own command line
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() without initializing CUDA
-
-
-class WarmLauncher:
-    """A launcher forked by the warm process, with the verbs of ``LauncherProcess``.
-
-    Its stdin is a pipe whose write end only the kernel holds (commands and, at
-    its end, the kernel's death); its exit code comes from the warm process.
-    """
-
-    note: str | None = None
-
-    def __init__(self, pid: int, connection: socket.socket, commands: int) -> None:
-        self.pid = pid
-        self._connection = connection
-        self._commands = commands
-        self._returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self._returncode is None:
-            self._read_exit(0)
-        return self._returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self._returncode is None:
-            self._read_exit(timeout)
-        if self._returncode is None:
-            raise subprocess.TimeoutExpired(f"launcher {self.pid}", timeout or 0)
-        return self._returncode
-
-    def _read_exit(self, timeout: float | None) -> None:
-        self._connection.settimeout(timeout)
-        try:
-            data = self._connection.recv(4096)
-        except (TimeoutError, BlockingIOError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self._returncode = int(json.loads(data)["exit"])
-        elif not _alive(self.pid):  # the warm process went away first: the exit code is lost
-            self._returncode = -signal.SIGKILL
-
-    def request(self, command: bytes) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._commands, command)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-
-    def close(self) -> None:
-        """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipes."""
-        self.kill()
-        with contextlib.suppress(OSError):
-            os.close(self._commands)
-        self._connection.close()
-
-
-def _state(pid: int) -> str | None:
-    """The process's state letter (R, S, D, T, Z, ...), None when it is gone."""
-    fields = stat_fields(pid)
-    return fields[0] if fields else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _state(pid) not in (None, "Z")  # a zombie waiting for the warm process counts as gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +101,7 @@ class WarmProcess:
         code = self._popen.poll()
         if code is not None:
             return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
-        if _state(self.pid) in ("T", "t"):
+        if process_state(self.pid) in ("T", "t"):
             return "was stopped (SIGSTOP, or a debugger holds it) and cannot answer"
         return None
 
