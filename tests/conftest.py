@@ -82,6 +82,27 @@ def run_gone_within(run_id: str, seconds: float) -> bool:
     return True
 
 
+def parent_of(pid: int) -> int:
+    from nbshard.procfs import stat_fields
+
+    fields = stat_fields(pid)
+    assert fields is not None, f"process {pid} is gone"
+    return int(fields[1])
+
+
+def node_launcher(run_id: str, node: int, within: float = 60) -> int:
+    """The pid of a node's launcher: the parent of that node's rank, once the rank runs. (A process
+    the launcher forks shows the launcher's command line until it execs, so on a busy machine a
+    command line alone may name two launchers.)"""
+    deadline = time.monotonic() + within
+    while True:
+        ranks = [pid for pid, cmd in processes_of_run(run_id).items() if "nbshard.worker" in cmd and f"node-{node} " in cmd]
+        if len(ranks) == 1:
+            return parent_of(ranks[0])
+        assert time.monotonic() < deadline, f"node {node}'s rank never ran: {processes_of_run(run_id)}"
+        time.sleep(0.05)
+
+
 def wait_for_ranks(handle: nbshard.JobHandle, count: int, within: float = 60) -> None:
     """Wait until ``count`` rank processes of the job run (on whichever nodes)."""
     deadline = time.monotonic() + within

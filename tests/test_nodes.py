@@ -13,7 +13,7 @@ import pytest
 import nbshard
 import programs
 import restart_jobs
-from conftest import processes_of, wait_until_gone
+from conftest import node_launcher, processes_of, wait_until_gone
 from test_failures import wait_for_output
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,8 +61,7 @@ def test_a_rank_failing_on_one_node_stops_every_node_and_leads_the_error():
 def test_a_lost_node_is_its_own_failure_ahead_of_what_it_causes():
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2)
     wait_for_output(handle, "ready", range(2))
-    [launcher] = [pid for pid, cmd in processes_of(handle.run_dir / "nodes" / "node-1").items() if "nbshard.launcher" in cmd]
-    os.kill(launcher, signal.SIGKILL)
+    os.kill(node_launcher(handle.run_dir.name, 1), signal.SIGKILL)
     with pytest.raises(nbshard.JobFailed) as caught:
         handle.result(timeout=30)
     message = str(caught.value)

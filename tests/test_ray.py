@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 
 import nbshard  # noqa: E402
 import node_checks  # noqa: E402
 import programs  # noqa: E402
-from conftest import processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
+from conftest import node_launcher, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.ray import node_environment  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
@@ -130,16 +130,19 @@ def test_kept_actors_serve_the_next_job_and_are_freed_on_request(cluster):
 
 def test_a_frozen_node_is_lost_after_its_heartbeat(cluster):
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="ray", backend_options={"heartbeat": 3})
-    wait_for_ranks(handle, 2)
-    [launcher] = [pid for pid, cmd in processes_of_run(handle.run_dir.name).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
-    actor_pid = int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])
-    os.kill(actor_pid, signal.SIGSTOP)  # the node's actor stops answering; its launcher and rank run on
     try:
-        with pytest.raises(nbshard.JobFailed) as caught:
-            handle.result(timeout=60)
+        actor_pid = parent_of(node_launcher(handle.run_dir.name, 1))
+        os.kill(actor_pid, signal.SIGSTOP)  # the node's actor stops answering; its launcher and rank run on
+        try:
+            with pytest.raises(nbshard.JobFailed) as caught:
+                handle.result(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(actor_pid, signal.SIGCONT)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(actor_pid, signal.SIGCONT)
+        if not handle.done():  # a failure here must not keep the cluster's CPUs from the next tests
+            handle.kill()
+            handle.exception(timeout=30)
     assert "node 1 was lost: its Ray actor did not answer for 3 s" in str(caught.value)
     assert run_gone_within(handle.run_dir.name, 5)
 

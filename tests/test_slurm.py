@@ -13,7 +13,7 @@ import pytest
 import nbshard
 import node_checks
 import programs
-from conftest import run_gone_within, wait_for_ranks
+from conftest import node_launcher, parent_of, run_gone_within, wait_for_ranks
 from slurm_cluster import SlurmCluster, missing
 from test_nodes import node_environment
 
@@ -110,12 +110,9 @@ def test_a_frozen_node_is_lost_after_its_heartbeat(slurm):
     import os
     import signal
 
-    from conftest import processes_of_run
-
     handle = nbshard.submit(programs.wait_in_collective, nproc=1, nnodes=2, backend="slurm", backend_options={"heartbeat": 3})
     wait_for_ranks(handle, 2)
-    [launcher] = [pid for pid, cmd in processes_of_run(handle.run_dir.name).items() if "nbshard.launcher" in cmd and "node-1" in cmd]
-    task = int(open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()[1])  # the launcher's parent: node 1's srun task
+    task = parent_of(node_launcher(handle.run_dir.name, 1))  # the launcher's parent: node 1's srun task
     os.kill(task, signal.SIGSTOP)  # node 1's task stops answering; its launcher and rank run on
     try:
         with pytest.raises(nbshard.JobFailed) as caught:
