@@ -7,6 +7,7 @@ and lost nodes left in the temp directory is swept once per kernel.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -104,10 +105,9 @@ def _prune_runs(root: Path, keep: int, keep_bytes: int) -> None:
     """Delete the results a dead kernel can no longer read, then finished runs beyond the newest
     ``keep`` or ``keep_bytes``: those of dead kernels first, then the oldest."""
     runs = [run for path in root.iterdir() if (run := _finished_run(path)) is not None]
-    for run in runs:
-        if run.kernel_gone and run.unread:
-            for result in run.path.rglob("result-*.pkl"):
-                result.unlink(missing_ok=True)
+    for index, run in enumerate(runs):
+        if run.kernel_gone and run.unread:  # counted without them from here on
+            runs[index] = dataclasses.replace(run, size=run.size - _drop_results(run.path), unread=False)
     runs.sort(key=lambda run: (not run.kernel_gone, run.mtime))
     count, total = len(runs), sum(run.size for run in runs)
     for run in runs:
@@ -117,6 +117,17 @@ def _prune_runs(root: Path, keep: int, keep_bytes: int) -> None:
             continue
         shutil.rmtree(run.path, ignore_errors=True)
         count, total = count - 1, total - run.size
+
+
+def _drop_results(folder: Path) -> int:
+    """Remove the result files below ``folder``; returns the bytes they took."""
+    freed = 0
+    for result in folder.rglob("result-*.pkl"):
+        with contextlib.suppress(OSError):
+            size = result.stat().st_size
+            result.unlink()
+            freed += size
+    return freed
 
 
 def _sweep_once() -> None:

@@ -148,7 +148,9 @@ def dead_kernel_run(script, runs_dir):
     return run_dir
 
 
-def test_a_result_left_by_a_killed_kernel_goes_at_the_next_start(dead_kernel_run):
+def test_a_result_left_by_a_killed_kernel_goes_at_the_next_start(dead_kernel_run, monkeypatch):
+    # A bound below the 1 MiB result but far above the logs: once the result is gone, the run fits.
+    monkeypatch.setattr(nbshard.settings, "keep_runs_bytes", 512 << 10)
     assert nbshard.run(programs.rank_and_value, 1, nproc=1) == 0
     assert not (dead_kernel_run / "result-0.pkl").exists(), "nobody can load it any more"
     assert (dead_kernel_run / "rank-0.log").exists()  # its logs are kept like any run's
