@@ -19,7 +19,8 @@ from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
 from nbshard.backends.local import _importable_env
-from nbshard.files import write_atomic, write_json
+from nbshard.contracts import LaunchSpec
+from nbshard.files import write_atomic
 from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
@@ -106,10 +107,10 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     return JobHandle(job, *launch(job, payload))
 
 
-def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:
-    """Start the launcher of ``job`` (its ``payload`` written as the run's job file; ``spec``:
-    more of what the launcher reads, e.g. for a session); returns (the number of ranks on all
-    nodes, run dir, launcher, the socket its messages arrive on)."""
+def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:
+    """Start the launcher of ``job`` (its ``payload`` written as the run's job file; ``session``:
+    the session fields of the launch spec, for a session); returns (the world size, run dir,
+    launcher, the socket its messages arrive on)."""
     if sys.platform != "linux":
         raise RuntimeError(
             f"nbshard runs jobs on Linux only (this is {sys.platform}): it relies on Linux "
@@ -137,15 +138,15 @@ def launch(job: Job, payload: bytes | None, **spec: Any) -> tuple[int, RunDir, L
         if payload is not None:
             write_atomic(run_dir.job, payload)
         receiver = Receiver(key, run_dir.path)
-        write_json(run_dir.launch, {
-            "address": receiver.address, "nproc": nproc, "cwd": cwd, "timeout": job.timeout,
-            "grace": job.grace, "master_port": job.master_port, "max_restarts": job.max_restarts, "nnodes": job.nnodes,
-            "env": dict(job.env), "gpus": None if job.gpus is None else list(job.gpus),
-            "backend_options": dict(job.backend_options), "run_id": run_dir.path.name,
-            "return_all": job.return_all, "sys_path": [os.path.abspath(p) for p in sys.path],
-            "sample_interval": job.sample_interval, "kernel_pid": os.getpid(), "kernel": process_identity(os.getpid()),
-            **spec,
-        })
+        LaunchSpec(
+            address=receiver.address, nproc_per_node=nproc, cwd=cwd, timeout=job.timeout,
+            grace=job.grace, master_port=job.master_port, max_restarts=job.max_restarts, nnodes=job.nnodes,
+            env=dict(job.env), gpus=None if job.gpus is None else list(job.gpus),
+            backend_options=dict(job.backend_options), run_id=run_dir.path.name,
+            return_all=job.return_all, sys_path=[os.path.abspath(p) for p in sys.path],
+            sample_interval=job.sample_interval, kernel_pid=os.getpid(), kernel=process_identity(os.getpid()),
+            **session,
+        ).write(run_dir.launch)
         env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)
         launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)
     except BaseException as error:  # nothing started: leave no half-written run behind (a full disk, an interrupt)

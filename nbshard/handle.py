@@ -18,6 +18,7 @@ from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher
 from nbshard.backlog import LiveBacklog
+from nbshard.contracts import Attempt, RunOutcome
 from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
@@ -58,13 +59,14 @@ class JobHandle:
     """A submitted job: ``result()``, ``done()``, ``cancel()``, ``logs(rank)``."""
 
     def __init__(
-        self, job: Job, nproc: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
+        self, job: Job, world_size: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
         samples: Iterable[dict[str, Any]] = (),
     ) -> None:
         """``samples``: memory samples known before the job's own (a session's ranks hold memory
         already), shown from the start."""
         self.job = job
-        self.nproc = nproc
+        self.world_size = world_size
+        """Ranks on all nodes (``job.nproc`` is ranks on each node)."""
         self.run_dir = run_dir.path
         self.status = "running"
         self.started = time.time()
@@ -89,11 +91,11 @@ class JobHandle:
         self._callbacks: list[Callable[[JobHandle], Any]] = []
         self._callbacks_lock = threading.Lock()
         self.notes: list[str] = []  # said by whoever owns the handle, e.g. the magic's pulls
-        self.attempts: list[dict[str, Any]] = []
+        self.attempts: list[Attempt] = []
         """Once the job ended: each failed attempt that ``max_restarts`` started again, oldest first
         (``attempt``, the ``rank`` that failed first, the ``cause``, the ``files`` folder keeping
         its error and stack files)."""
-        self._telemetry = Telemetry(nproc)
+        self._telemetry = Telemetry(world_size)
         for sample in samples:
             self._telemetry.add(sample)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
@@ -149,9 +151,9 @@ class JobHandle:
     def logs(self, rank: int | None = None) -> str:
         """The complete output of one rank, or of every rank one after another."""
         if rank is None:
-            return "\n".join(f"==> rank {r} <==\n{self.logs(r)}" for r in range(self.nproc))
-        if not 0 <= rank < self.nproc:
-            raise ValueError(f"rank must be in 0..{self.nproc - 1}, got {rank}")
+            return "\n".join(f"==> rank {r} <==\n{self.logs(r)}" for r in range(self.world_size))
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {rank}")
         if not self.run_dir.exists():
             raise FileNotFoundError(
                 f"the logs of {self.job.label} are gone: its run directory {self.run_dir} was pruned "
@@ -282,7 +284,7 @@ class JobHandle:
         newest ones that arrived live (up to 100,000).
         """
         if self.done() and self._all_metrics is None and self.run_dir.exists():
-            self._all_metrics = read_metrics_files([self._paths.metrics(rank) for rank in range(self.nproc)])
+            self._all_metrics = read_metrics_files([self._paths.metrics(rank) for rank in range(self.world_size)])
         records = self._all_metrics if self._all_metrics is not None else self._telemetry.metrics()
         return to_frame(records) if frame else list(records)
 
@@ -297,7 +299,7 @@ class JobHandle:
     def summary(self) -> str:
         """One line: what runs, how it stands, for how long."""
         elapsed = (self.ended or time.time()) - self.started
-        text = f"{self.job.label} on {self.nproc} rank{'s' * (self.nproc > 1)}: {self.status} after {elapsed:.0f} s"
+        text = f"{self.job.label} on {self.world_size} rank{'s' * (self.world_size > 1)}: {self.status} after {elapsed:.0f} s"
         if self.attempts:
             text += f" (restarted {len(self.attempts)}x)"
         if self._exception is not None:
@@ -339,15 +341,17 @@ class JobHandle:
             f"slowly; the full log is {self._paths.log(rank)}"
         )
 
-    def _note_unreported_drops(self, outcome: dict[str, Any] | None) -> None:
+    def _note_unreported_drops(self, outcome: RunOutcome | None) -> None:
         """The launcher's final tally, in case its last notices could not reach the kernel, and
         lines it sent that never arrived (it exited before a slow kernel had read them)."""
-        for rank, total in (outcome or {}).get("dropped_lines", {}).items():
-            missing = total - self._reported_drops[int(rank)]
+        if outcome is None:
+            return
+        for rank, total in outcome.dropped_lines.items():
+            missing = total - self._reported_drops[rank]
             if missing > 0:
-                self._note_dropped(int(rank), missing)
-        for rank, sent in (outcome or {}).get("lines_sent", {}).items():
-            lost = sent - self._received_lines[int(rank)]
+                self._note_dropped(rank, missing)
+        for rank, sent in outcome.lines_sent.items():
+            lost = sent - self._received_lines[rank]
             if lost > 0:
                 self._live.note(
                     f"the last {lost} lines of rank {rank} were not shown live: the launcher exited before "
@@ -376,10 +380,10 @@ class JobHandle:
             self._receiver.close()
             self._finish()
 
-    def _collect(self, files: OpenedDir, outcome: dict[str, Any] | None) -> tuple[Any, JobError | None]:
+    def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         """The job's value or its exception, from its run directory."""
         return collect(
-            files, self._paths, outcome, nproc=self.nproc, return_all=self.job.return_all,
+            files, self._paths, outcome, world_size=self.world_size, return_all=self.job.return_all,
             timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
         )
 
@@ -388,7 +392,7 @@ class JobHandle:
             with OpenedDir(self._paths.path, self._identity) as files:
                 outcome = read_outcome(files, self._paths)  # read once: for the drop tally and the result
                 self._note_unreported_drops(outcome)
-                self.attempts = list((outcome or {}).get("attempts", []))
+                self.attempts = list(outcome.attempts) if outcome else []
                 self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from nbshard import attempts
+from nbshard.contracts import Attempt, LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import signal_name, start_failure
-from nbshard.files import open_private, read_json, write_atomic, write_json
+from nbshard.files import open_private, read_json, write_atomic
 from nbshard.forking import ForkedProcess, fork_rank
 from nbshard.fresh import cold_command
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, RunDir, rank_environment
@@ -106,7 +107,7 @@ class Launcher:
 
     def __init__(self, run_dir: RunDir, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> None:
         self.run_dir = run_dir
-        self.spec = read_json(run_dir.launch)
+        self.spec = LaunchSpec.read(run_dir.launch)
         self.fork_ranks = fork_ranks
         self._sender: Sender | None = None  # opened once the ranks are started: ZeroMQ's threads must not exist at a fork
         self.selector = selectors.DefaultSelector()
@@ -116,15 +117,15 @@ class Launcher:
         self.dropped_total: dict[int, int] = {}
         self.lines_sent: dict[int, int] = {}  # queued for the kernel, by rank: it can tell what never arrived
         self.notes: list[str] = []
-        self.stop_reason: str | None = None
+        self.stop_reason: Status | None = None
         self.first_failure: int | None = None
         self.term_at = self.kill_at = float("inf")
-        self.signalled: str | None = None
+        self.signalled: Status | None = None
         self.signal_received: str | None = None
         self.storage_error: str | None = None  # why the run's files could not be written (a full disk)
         self.start_error: str | None = None  # why a rank could not be started (fork refused: a process limit)
         self.final = False  # cancelled, or the kernel is gone: a failure now is not restarted
-        self.attempts: list[dict[str, Any]] = []  # the failed attempts that were restarted
+        self.attempts: list[Attempt] = []  # the failed attempts that were restarted
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.kernel_pidfd: int | None = None
@@ -132,10 +133,10 @@ class Launcher:
             self.kernel_pidfd = kernel_pidfd
             self.selector.register(kernel_pidfd, selectors.EVENT_READ, KERNEL)
         else:
-            self.kernel_pidfd = self.watch_kernel(self.spec.get("kernel_pid"))
+            self.kernel_pidfd = self.watch_kernel(self.spec.kernel_pid)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signalled = "cancelled"
+        self.signalled = Status.CANCELLED
         self.signal_received = signal_name(signum)  # from outside: a user, or a scheduler (scancel)
         self.final = True
 
@@ -144,7 +145,7 @@ class Launcher:
     @property
     def sender(self) -> Sender:
         if self._sender is None:
-            self._sender = Sender(self.spec["address"], self.run_dir.key.read_bytes())
+            self._sender = Sender(self.spec.address, self.run_dir.key.read_bytes())
         return self._sender
 
     def close_sender(self, linger: float | None = None) -> None:
@@ -178,16 +179,15 @@ class Launcher:
     # -- ranks ------------------------------------------------------------
 
     def start_ranks(self, port: int, restart_count: int) -> None:
-        nproc, node_rank = self.spec["nproc"], self.spec.get("node_rank", 0)
-        for local_rank in range(nproc):
-            rank = node_rank * nproc + local_rank
+        spec = self.spec
+        for local_rank in range(spec.nproc_per_node):
+            rank = spec.first_rank() + local_rank
             for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
                 stale.unlink(missing_ok=True)
             env = rank_environment(
-                os.environ, rank=local_rank, nproc=nproc, master_port=port,
-                run_id=self.spec["run_id"], run_dir=self.run_dir, restart_count=restart_count,
-                max_restarts=self.spec.get("max_restarts", 0), node_rank=node_rank,
-                nnodes=self.spec.get("nnodes", 1), master_addr=self.spec.get("master_addr", "127.0.0.1"),
+                os.environ, rank=local_rank, nproc=spec.nproc_per_node, master_port=port,
+                run_id=spec.run_id, run_dir=self.run_dir, restart_count=restart_count,
+                max_restarts=spec.max_restarts, node_rank=spec.node_rank, nnodes=spec.nnodes, master_addr=spec.master_addr,
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
             proc = Rank(rank, self.start_rank(env), self.run_dir.log(rank))
@@ -207,9 +207,9 @@ class Launcher:
             from nbshard import worker
 
             self.close_sender()  # this process must hold one thread when it forks
-            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec["cwd"], keep=pass_fds)
+            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec.cwd, keep=pass_fds)
         return subprocess.Popen(
-            cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec["cwd"], pass_fds=pass_fds,
+            cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec.cwd, pass_fds=pass_fds,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
 
@@ -249,11 +249,11 @@ class Launcher:
         self.log_error(proc)
         if not proc.ok and self.stop_reason is None:
             self.first_failure = proc.rank
-            self.request_stop("failed", stacks=False, grace=FAILURE_GRACE)
+            self.request_stop(Status.FAILED, stacks=False, grace=FAILURE_GRACE)
 
     # -- stopping ---------------------------------------------------------
 
-    def request_stop(self, reason: str, *, stacks: bool, grace: float) -> None:
+    def request_stop(self, reason: Status, *, stacks: bool, grace: float) -> None:
         now = time.monotonic()
         if self.stop_reason is None:
             self.stop_reason = reason
@@ -289,7 +289,7 @@ class Launcher:
             if self.storage_error is None:
                 self.storage_error = f"{error.strerror} while writing {proc.log.name}"
                 self.note(f"stopping the job: {self.storage_error}")
-                self.request_stop("failed", stacks=False, grace=self.spec["grace"])
+                self.request_stop(Status.FAILED, stacks=False, grace=self.spec.grace)
 
     def log_error(self, proc: Rank) -> None:
         """The traceback of a rank that raised, at the end of its log."""
@@ -331,7 +331,7 @@ class Launcher:
             self.selector.unregister(self.kernel_pidfd)
             os.close(self.kernel_pidfd)
             self.kernel_pidfd = None
-        self.request_stop("kernel_gone", stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec["grace"]))
+        self.request_stop(Status.KERNEL_GONE, stacks=False, grace=min(KERNEL_GONE_GRACE, self.spec.grace))
 
     def read_kernel_input(self, fd: int) -> None:
         data = os.read(fd, 64)
@@ -340,10 +340,10 @@ class Launcher:
             self.kernel_gone()
         elif KILL in data:
             self.final = True
-            self.request_stop("cancelled", stacks=False, grace=0)
+            self.request_stop(Status.CANCELLED, stacks=False, grace=0)
         elif CANCEL in data:
             self.final = True
-            self.request_stop("cancelled", stacks=True, grace=self.spec["grace"])
+            self.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
 
     # -- the loop ---------------------------------------------------------
 
@@ -362,9 +362,9 @@ class Launcher:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
             if self.signalled and self.stop_reason is None:
-                self.request_stop(self.signalled, stacks=True, grace=self.spec["grace"])
+                self.request_stop(self.signalled, stacks=True, grace=self.spec.grace)
             if now >= deadline and self.stop_reason is None:
-                self.request_stop("timed_out", stacks=True, grace=self.spec["grace"])
+                self.request_stop(Status.TIMED_OUT, stacks=True, grace=self.spec.grace)
             if now - last_tick >= TICK:
                 last_tick = now
                 self.send_open_lines(time.time())
@@ -386,20 +386,20 @@ class Launcher:
         message = read_json(self.run_dir.error(0)).get("message", "")
         return "EADDRINUSE" in message or "address already in use" in message.lower()
 
-    def run(self) -> dict[str, Any]:
-        timeout = self.spec["timeout"]
+    def run(self) -> RunOutcome:
+        timeout = self.spec.timeout
         deadline = time.monotonic() + timeout if timeout else float("inf")
-        fixed_port = self.spec["master_port"]
+        fixed_port = self.spec.master_port
         if self.stop_reason is not None:  # the kernel was gone before any rank started
             return self.outcome(fixed_port or 0)
-        one_node = self.spec.get("nnodes", 1) == 1  # else the port is node 0's, chosen for every node
-        port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, self.spec.get("restart_count", 0), 0
+        one_node = self.spec.nnodes == 1  # else the port is node 0's, chosen for every node
+        port, restart_count, port_retries = pick_port(fixed_port) if one_node else fixed_port, self.spec.restart_count, 0
         while True:
             try:
                 self.start_ranks(port, restart_count)
             except OSError as error:  # a restart would meet the same limit
-                started, nproc = len(self.ranks), self.spec["nproc"]
-                self.start_error = start_failure(error, self.spec.get("node_rank", 0) * nproc + started, started, nproc)
+                started = len(self.ranks)
+                self.start_error = start_failure(error, self.spec.first_rank() + started, started, self.spec.nproc_per_node)
                 self.final = True
                 self.stop_started_ranks()
             self.supervise(deadline)
@@ -424,14 +424,14 @@ class Launcher:
             proc.signal(signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 proc.popen.wait()
-        self.request_stop("failed", stacks=False, grace=0)
+        self.request_stop(Status.FAILED, stacks=False, grace=0)
 
     def may_restart(self) -> bool:
         """A failure (not a cancel, a timeout or a full disk) with restarts left, the kernel waiting."""
-        failed = self.stop_reason == "failed" or (self.stop_reason is None and not all(p.ok for p in self.ranks))
+        failed = self.stop_reason is Status.FAILED or (self.stop_reason is None and not all(p.ok for p in self.ranks))
         return (
-            failed and not self.final and self.storage_error is None and self.spec.get("nnodes", 1) == 1  # else the kernel restarts every node
-            and len(self.attempts) < self.spec.get("max_restarts", 0) and self.kernel_alive()
+            failed and not self.final and self.storage_error is None and self.spec.nnodes == 1  # else the kernel restarts every node
+            and len(self.attempts) < self.spec.max_restarts and self.kernel_alive()
         )
 
     def keep_attempt(self, restart_count: int) -> str:
@@ -439,9 +439,9 @@ class Launcher:
         returns what to tell the kernel."""
         folder = attempts.set_aside(self.run_dir, (p.rank for p in self.ranks), restart_count)
         rank, why = attempts.first_cause(folder, [
-            {"rank": p.rank, "ok": p.ok, "stopped": p.stopped, "ended": p.ended_at, "exitcode": p.returncode} for p in self.ranks
+            RankOutcome(p.rank, p.returncode, p.ok, p.ended_at, p.stopped) for p in self.ranks
         ])
-        text = attempts.record(self.attempts, rank, why, folder, "every rank", self.spec["max_restarts"], restart_count)
+        text = attempts.record(self.attempts, rank, why, folder, "every rank", self.spec.max_restarts, restart_count)
         for proc in self.ranks:
             self.to_log(proc, f"\n[nbshard] {text}\n".encode())
         return text
@@ -455,33 +455,23 @@ class Launcher:
         self.stop_reason = self.first_failure = None
         self.term_at = self.kill_at = float("inf")
 
-    def outcome(self, port: int) -> dict[str, Any]:
+    def outcome(self, port: int) -> RunOutcome:
         if self.stop_reason is None:
-            status = "succeeded" if all(p.ok for p in self.ranks) else "failed"
+            status = Status.SUCCEEDED if all(p.ok for p in self.ranks) else Status.FAILED
         else:
             status = self.stop_reason
-        return {
-            "status": status,
-            "storage_error": self.storage_error,
-            "start_error": self.start_error,
-            "first_failure": self.first_failure,
-            "master_port": port,
-            "notes": self.notes,
-            "attempts": self.attempts,
-            "signal_received": self.signal_received,
-            "dropped_lines": {str(rank): count for rank, count in self.dropped_total.items()},
-            "lines_sent": {str(rank): count for rank, count in self.lines_sent.items()},
-            "ranks": [
-                {
-                    "rank": p.rank, "exitcode": p.returncode, "ok": p.ok, "ended": p.ended_at,
-                    "stopped": p.stopped and p.rank != self.first_failure, "stacks": p.stacks,
-                }
+        return RunOutcome(
+            status=status, storage_error=self.storage_error, start_error=self.start_error,
+            first_failure=self.first_failure, master_port=port, notes=self.notes, attempts=self.attempts,
+            signal_received=self.signal_received, dropped_lines=dict(self.dropped_total), lines_sent=dict(self.lines_sent),
+            ranks=[
+                RankOutcome(p.rank, p.returncode, p.ok, p.ended_at, p.stopped and p.rank != self.first_failure, p.stacks)
                 for p in self.ranks
             ],
-        }
+        )
 
     def kernel_alive(self) -> bool:
-        if self.stop_reason == "kernel_gone":
+        if self.stop_reason is Status.KERNEL_GONE:
             return False
         if self.kernel_pidfd is None:
             return True
@@ -500,22 +490,22 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
     adopt_orphans()
     write_atomic(paths.path / "launcher.pid", str(os.getpid()).encode())
     launcher_class = Launcher
-    if read_json(paths.launch).get("session"):
+    if LaunchSpec.read(paths.launch).session:
         from nbshard.session_launcher import SessionLauncher as launcher_class  # noqa: N813 - one class or the other
     launcher = launcher_class(paths, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
     try:
         outcome = launcher.run()
         try:
-            write_json(paths.outcome, outcome)
+            outcome.write(paths.outcome)
         except OSError as error:  # the kernel learns why from the last message instead
-            outcome["storage_error"] = outcome["storage_error"] or f"{error.strerror} while writing {paths.outcome}"
+            outcome.storage_error = outcome.storage_error or f"{error.strerror} while writing {paths.outcome}"
         # The last words may wait for a slow kernel while it lives, never long: the files hold the truth.
         wait = FINAL_FLUSH if launcher.kernel_alive() else END_SEND_WAIT
         for rank in list(launcher.dropped):
             launcher.send_dropped_notice(rank, wait=wait)
         # One node of many: the kernel's side of the nodes says when the whole run ended.
-        kind = "end" if launcher.spec.get("nnodes", 1) == 1 else "node_end"
-        launcher.send({"kind": kind, "status": outcome["status"], "storage_error": outcome["storage_error"]}, wait=wait)
+        kind = "end" if launcher.spec.nnodes == 1 else "node_end"
+        launcher.send({"kind": kind, "status": outcome.status, "storage_error": outcome.storage_error}, wait=wait)
     finally:
         launcher.close()
     return 0

@@ -10,6 +10,7 @@ import contextlib
 import pickle
 from typing import Any
 
+from nbshard.contracts import RankOutcome, RunOutcome, Status
 from nbshard.errors import (
     JobCancelled,
     JobError,
@@ -25,28 +26,28 @@ from nbshard.job import RunDir
 __all__ = ["collect", "read_outcome"]
 
 
-def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]]) -> list[RankFailure]:
+def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[RankOutcome]) -> list[RankFailure]:
     """Every rank that did not return, root cause first: the earliest real failure."""
     failures = []
     for entry in ranks:
-        if entry["ok"]:
+        if entry.ok:
             continue
-        rank, code = entry["rank"], entry["exitcode"]
-        if entry.get("lost"):
-            failures.append(RankFailure(rank=rank, time=entry["ended"], lost=entry["lost"]))
+        rank, code = entry.rank, entry.exitcode
+        if entry.lost:
+            failures.append(RankFailure(rank=rank, time=entry.ended, lost=entry.lost))
             continue
         error_file = run_dir.error(rank)
-        if files.exists(error_file) and not entry["stopped"]:
+        if files.exists(error_file) and not entry.stopped:
             failures.append(RankFailure.from_error_file(files.read_json(error_file)))
             continue
         failures.append(
             RankFailure(
                 rank=rank,
-                time=entry["ended"],
+                time=entry.ended,
                 exitcode=code,
                 signal=signal_name(-code) if code is not None and code < 0 else None,
-                stopped=entry["stopped"],
-                stacks=entry["stacks"],
+                stopped=entry.stopped,
+                stacks=entry.stacks,
             )
         )
     # A lost node's ranks lead (their peers' errors follow from it), then the earliest real
@@ -54,26 +55,26 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[dict[str, Any]
     return sorted(failures, key=lambda f: (not f.lost, f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
-def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, nproc: int) -> list[Any]:
+def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, world_size: int) -> list[Any]:
     """The ranks' values, each read as a stream; then every result file goes (the values live on,
     and a large one should not fill the disk for as long as the run directory is kept)."""
     values = []
     for rank in ranks:
         with files.open(run_dir.result(rank)) as file:
             values.append(pickle.load(file))
-    for rank in range(nproc):
+    for rank in range(world_size):
         with contextlib.suppress(OSError):
             files.unlink(run_dir.result(rank))
     return values
 
 
-def _earlier_attempts(outcome: dict[str, Any]) -> str:
+def _earlier_attempts(outcome: RunOutcome) -> str:
     """The failed attempts before this one, a line of the error's message ('' without restarts;
     the first line, which the live view's heading shows, stays short)."""
-    attempts = outcome.get("attempts") or []
+    attempts = outcome.attempts
     if not attempts:
         return ""
-    causes = "; ".join(f"attempt {a['attempt']} failed {a['cause']}" for a in attempts)
+    causes = "; ".join(f"attempt {a.attempt} failed {a.cause}" for a in attempts)
     return f"\nThis was attempt {len(attempts) + 1}, after {len(attempts)} restart{'s' * (len(attempts) > 1)}: {causes}."
 
 
@@ -103,17 +104,17 @@ def _launcher_died(files: OpenedDir, run_dir: RunDir, launcher_exit: int | None)
     )
 
 
-def read_outcome(files: OpenedDir, run_dir: RunDir) -> dict[str, Any] | None:
+def read_outcome(files: OpenedDir, run_dir: RunDir) -> RunOutcome | None:
     """The launcher's ``outcome.json``, or None when it ended without writing one."""
-    return files.read_json(run_dir.outcome) if files.exists(run_dir.outcome) else None
+    return RunOutcome.from_json(files.read_json(run_dir.outcome)) if files.exists(run_dir.outcome) else None
 
 
 def collect(
     files: OpenedDir,
     run_dir: RunDir,
-    outcome: dict[str, Any] | None,
+    outcome: RunOutcome | None,
     *,
-    nproc: int,
+    world_size: int,
     return_all: bool,
     timeout: float | None,
     launcher_exit: int | None,
@@ -125,9 +126,9 @@ def collect(
     said (when it could not write ``outcome.json`` either).
     """
     where = str(run_dir.path)
-    storage_error = (outcome or {}).get("storage_error") or storage_error
+    storage_error = (outcome.storage_error if outcome else None) or storage_error
     if storage_error:
-        failures = _rank_failures(files, run_dir, outcome["ranks"]) if outcome else []
+        failures = _rank_failures(files, run_dir, outcome.ranks) if outcome else []
         return None, JobFailed(
             f"The job was stopped because its files could not be written: {storage_error}. Likely "
             f"cause: the filesystem of the run directory is full (or over quota), so the ranks' logs "
@@ -137,12 +138,12 @@ def collect(
         )
     if outcome is None:
         return None, JobFailed(_launcher_died(files, run_dir, launcher_exit), run_dir=where)
-    if outcome.get("start_error"):
-        return None, JobFailed(outcome["start_error"], _rank_failures(files, run_dir, outcome["ranks"]), where)
-    status = outcome["status"]
-    if status == "succeeded":
+    if outcome.start_error:
+        return None, JobFailed(outcome.start_error, _rank_failures(files, run_dir, outcome.ranks), where)
+    status = outcome.status
+    if status is Status.SUCCEEDED:
         try:
-            values = _load_values(files, run_dir, range(nproc) if return_all else range(1), nproc)
+            values = _load_values(files, run_dir, range(world_size) if return_all else range(1), world_size)
         except Exception as error:  # noqa: BLE001 - reported with its cause
             failed = JobFailed(
                 f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "
@@ -153,27 +154,27 @@ def collect(
             failed.__cause__ = error
             return None, failed
         return (values if return_all else values[0]), None
-    failures = _rank_failures(files, run_dir, outcome["ranks"])
+    failures = _rank_failures(files, run_dir, outcome.ranks)
     earlier = _earlier_attempts(outcome)
     exception: JobError
-    if status == "timed_out":
+    if status is Status.TIMED_OUT:
         exception = JobTimedOut(
             f"The job ran past its timeout of {timeout:g} s and was stopped. Where each rank was "
             "is below (every thread's stack is at the end of its log). If it was still making "
             f"progress, raise timeout=; if a rank waits in a collective, another rank never joined it.{earlier}",
             failures, where,
         )
-    elif status == "cancelled":
+    elif status is Status.CANCELLED:
         exception = JobCancelled(f"The job was cancelled and its ranks were stopped.{earlier}", failures, where)
-    elif outcome.get("stopped_from_outside") and not outcome.get("lost_nodes"):
-        which = ", ".join(f"node {node}'s got {name}" for node, name in outcome["stopped_from_outside"].items())
+    elif outcome.stopped_from_outside and not outcome.lost_nodes:
+        which = ", ".join(f"node {node}'s got {name}" for node, name in outcome.stopped_from_outside.items())
         exception = JobFailed(
             f"The job was stopped from outside: the launchers were signalled ({which}), as a scheduler does "
             f"when the allocation is cancelled (scancel), preempted or out of time, or a user's kill.{earlier}",
             failures, where,
         )
-    elif outcome.get("lost_nodes"):
-        lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome["lost_nodes"].items())
+    elif outcome.lost_nodes:
+        lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome.lost_nodes.items())
         exception = JobFailed(
             f"The job failed because {lost}. The errors of the other nodes' ranks follow from it "
             f"(a peer gone from a collective).{earlier}", failures, where,

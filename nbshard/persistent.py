@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.backends import WarmLauncher
+from nbshard.contracts import RunOutcome, Status
 from nbshard.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
-from nbshard.files import OpenedDir, mkdir_private, read_json, write_atomic
+from nbshard.files import OpenedDir, mkdir_private, write_atomic
 from nbshard.handle import JobHandle
 from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
@@ -99,10 +100,10 @@ class CallHandle(JobHandle):
     def __init__(self, session: Session, job: Job, call_dir: RunDir, channel: _CallChannel, samples: Iterable[dict[str, Any]]) -> None:
         self._session = session
         self._metrics_from = session._metrics_offsets()  # the session's files hold every call's records
-        super().__init__(job, session.nproc, call_dir, channel, channel, samples)  # type: ignore[arg-type]
+        super().__init__(job, session.world_size, call_dir, channel, channel, samples)  # type: ignore[arg-type]
         self.warm = session.warm
 
-    def _collect(self, files: OpenedDir, outcome: dict[str, Any] | None) -> tuple[Any, JobError | None]:
+    def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         value, error = super()._collect(files, outcome)
         # The call's log_metrics records, from the session's files: all are there when it ends (each
         # is written before it is sent, and before the rank answers); the wire may bring some later.
@@ -137,7 +138,7 @@ class Session:
         from nbshard.client import launch  # the client imports this module
 
         placeholder = Job(print, name=f"session-{self.name}", **self._options)
-        self.nproc, self._paths, self._launcher, self._receiver = launch(
+        self.world_size, self._paths, self._launcher, self._receiver = launch(
             placeholder, None, session=True, interrupt_grace=self.interrupt_grace
         )
         self.run_dir = self._paths.path
@@ -147,7 +148,7 @@ class Session:
         self.state = "running"  # "diverged", "lost" or "closed" later
         self.lost: SessionLost | None = None
         self._names: set[str] = set()
-        self._telemetry = Telemetry(self.nproc)
+        self._telemetry = Telemetry(self.world_size)
         self._last_samples: dict[int, dict[str, Any]] = {}
         self._channels: dict[str, _CallChannel] = {}
         self._current: CallHandle | None = None
@@ -159,7 +160,7 @@ class Session:
         return f"<Session {self.summary()}; run_dir={self.run_dir}>"
 
     def summary(self) -> str:
-        return f"session {self.name!r} on {self.nproc} rank{'s' * (self.nproc > 1)}: {self.state}"
+        return f"session {self.name!r} on {self.world_size} rank{'s' * (self.world_size > 1)}: {self.state}"
 
     def _repr_html_(self) -> str:
         return render_html(self.summary(), self._telemetry.views(), "")
@@ -197,7 +198,7 @@ class Session:
             return self._current
 
     def _metrics_files(self) -> list[Path]:
-        return [self._paths.metrics(rank) for rank in range(self.nproc)]
+        return [self._paths.metrics(rank) for rank in range(self.world_size)]
 
     def _metrics_offsets(self) -> list[int]:
         """How far each rank's metrics file goes now: where the next call's records start."""
@@ -218,7 +219,7 @@ class Session:
             return
         deadline = time.monotonic() + END_SAMPLE_WAIT
         while time.monotonic() < deadline and any(
-            self._last_samples.get(rank, {}).get("time", 0.0) < since for rank in range(self.nproc)
+            self._last_samples.get(rank, {}).get("time", 0.0) < since for rank in range(self.world_size)
         ):
             time.sleep(0.005)
 
@@ -247,7 +248,7 @@ class Session:
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(_CALL_OPTIONS))}")
         grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
-        job = Job(target, args, nproc=self.nproc, grace=grace, **options)
+        job = Job(target, args, nproc=self.world_size, grace=grace, **options)
         return dataclasses.replace(job, name=f"{job.label} in session {self.name!r}")
 
     def _check_usable(self) -> None:
@@ -260,19 +261,19 @@ class Session:
         if line:
             self._launcher.request(f"{line}\n".encode())
 
-    def _call_error(self, outcome: dict[str, Any] | None, error: JobError | None, where: str) -> JobError | None:
+    def _call_error(self, outcome: RunOutcome | None, error: JobError | None, where: str) -> JobError | None:
         """The call's exception as a session sees it; marks the session diverged or lost."""
-        status = outcome["status"] if outcome else "lost"
+        status = outcome.status if outcome else Status.LOST
         failures = error.failures if error is not None else ()
         cause = error.__cause__ if error is not None else None
         new: JobError | None
-        if status == "succeeded":
+        if status is Status.SUCCEEDED:
             return error  # None, or a result the kernel could not load
-        if status == "failed" and not outcome.get("diverged"):  # type: ignore[union-attr]
+        if status is Status.FAILED and not outcome.diverged:  # type: ignore[union-attr]
             new = JobFailed(f"The call failed in every rank that ran it; session {self.name!r} lives on.", failures, where)
-        elif status == "failed":
+        elif status is Status.FAILED:
             self.state = "diverged"
-            returned = [f["rank"] for f in outcome["ranks"] if f["ok"]]  # type: ignore[index]
+            returned = [f.rank for f in outcome.ranks if f.ok]  # type: ignore[union-attr]
             new = JobFailed(
                 f"The call failed on rank {failures[0].rank if failures else '?'} but returned on rank"
                 f"{'s' * (len(returned) > 1)} {', '.join(map(str, returned))}: the ranks' states have diverged "
@@ -280,15 +281,15 @@ class Session:
                 "session.restart() is advised before you rely on it.",
                 failures, where,
             )
-        elif status == "interrupted":
+        elif status is Status.INTERRUPTED:
             new = JobCancelled(f"The call was interrupted; every rank left it, and session {self.name!r} lives on.", failures, where)
-        elif status == "timed_out":
+        elif status is Status.TIMED_OUT:
             new = JobTimedOut(
                 f"The call ran past its timeout of {self._current.job.timeout if self._current else '?'} s and was "
                 f"interrupted; every rank left it, and session {self.name!r} lives on.", failures, where,
             )
         else:
-            reason = (outcome or {}).get("reason") or self._launcher_reason() or "its launcher ended"
+            reason = (outcome.reason if outcome else None) or self._launcher_reason() or "its launcher ended"
             new = self._lose(reason, failures, where)
         new.__cause__ = cause
         return new
@@ -304,10 +305,8 @@ class Session:
         return self.lost
 
     def _launcher_reason(self) -> str | None:
-        try:
-            return read_json(self._paths.outcome).get("reason")
-        except (OSError, ValueError):
-            return None
+        outcome = RunOutcome.read(self._paths.outcome)
+        return outcome.reason if outcome else None
 
     # -- the session's thread ---------------------------------------------------
 

@@ -21,8 +21,9 @@ import signal
 import time
 from typing import Any
 
+from nbshard.contracts import RankOutcome, RunOutcome, Status
 from nbshard.errors import likely_cause, signal_name
-from nbshard.files import open_private, write_json
+from nbshard.files import open_private
 from nbshard.job import RunDir
 from nbshard.launcher import FAILURE_GRACE, Launcher, Rank
 from nbshard.ports import pick_port
@@ -36,14 +37,14 @@ REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, r
 class SessionLauncher(Launcher):
     def __init__(self, run_dir: RunDir, **options: Any) -> None:
         super().__init__(run_dir, **options)
-        self.grace = float(self.spec["interrupt_grace"])
+        self.grace = float(self.spec.interrupt_grace)
         self.commands: dict[int, int] = {}  # rank -> the write end of its command pipe
         self.answers: dict[int, bytes] = {}  # rank -> an unfinished answer line
         self.kernel_input = b""
         self.call: str | None = None
         self.call_dir: RunDir | None = None
         self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
-        self.call_stopped: str | None = None  # "interrupted" or "timed_out" when the call was asked to stop
+        self.call_stopped: Status | None = None  # INTERRUPTED or TIMED_OUT when the call was asked to stop
         self.call_deadline = self.leave_by = float("inf")
         self.waiting_on = ""  # what ranks that have not left the call by leave_by are waiting on
         self.lost_why: str | None = None
@@ -108,7 +109,7 @@ class SessionLauncher(Launcher):
             if command == "run":
                 self.begin_call(words[0], words[1], float(words[2]), words[3])
             elif command == "interrupt" and self.call is not None:
-                self.stop_call("interrupted", "the interrupt")
+                self.stop_call(Status.INTERRUPTED, "the interrupt")
             elif command == "kill":
                 self.lose("the kernel stopped the session at once", stacks=False)
             elif command == "close":
@@ -126,7 +127,7 @@ class SessionLauncher(Launcher):
         for rank, fd in self.commands.items():
             os.write(fd, f"{call} {digest} {return_all}\n".encode())
 
-    def stop_call(self, status: str, what: str) -> None:
+    def stop_call(self, status: Status, what: str) -> None:
         """Interrupt every rank still in the call; those that do not leave it within the grace
         period are stuck (in a collective or in C code), and the session is lost."""
         if self.call_stopped is None:
@@ -152,10 +153,10 @@ class SessionLauncher(Launcher):
         """Close the ranks' command pipes: each leaves its loop and exits as a script would
         (atexit, process groups torn down); SIGTERM after the grace period, then SIGKILL."""
         if self.stop_reason is None:
-            self.stop_reason = "closed"
-            self.send({"kind": "event", "event": "stopping", "reason": "closed"})
+            self.stop_reason = Status.CLOSED
+            self.send({"kind": "event", "event": "stopping", "reason": Status.CLOSED})
             self.term_at = time.monotonic() + self.grace
-            self.kill_at = self.term_at + self.spec["grace"]
+            self.kill_at = self.term_at + self.spec.grace
         self.close_commands()
 
     def close_commands(self) -> None:
@@ -168,14 +169,14 @@ class SessionLauncher(Launcher):
         if self.stop_reason is None:
             self.lost_why, self.first_failure = why, rank
             self.note(f"the session is lost: {why}; stopping its ranks")
-            self.request_stop("lost", stacks=stacks, grace=FAILURE_GRACE)
+            self.request_stop(Status.LOST, stacks=stacks, grace=FAILURE_GRACE)
 
     # -- timers ----------------------------------------------------------------
 
     def advance_stop(self, now: float) -> None:
         if self.call is not None and self.stop_reason is None:
             if now >= self.call_deadline:
-                self.stop_call("timed_out", "the call's timeout")
+                self.stop_call(Status.TIMED_OUT, "the call's timeout")
             if now >= self.leave_by:
                 stuck = [p.rank for p in self.ranks if p.rank not in self.replies]
                 self.lose(f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, stuck))} did not leave the call {self.waiting_on}")
@@ -195,11 +196,11 @@ class SessionLauncher(Launcher):
         if self.call_stopped:
             self.finish_call(self.call_stopped)
         elif statuses == {"ok"}:
-            self.finish_call("succeeded")
+            self.finish_call(Status.SUCCEEDED)
         else:
-            self.finish_call("failed", diverged="ok" in statuses)
+            self.finish_call(Status.FAILED, diverged="ok" in statuses)
 
-    def finish_call(self, status: str, diverged: bool = False) -> None:
+    def finish_call(self, status: Status, diverged: bool = False) -> None:
         assert self.call_dir is not None
         now = time.time()
         for proc in self.ranks:  # what a rank printed before it answered belongs to the call
@@ -208,13 +209,12 @@ class SessionLauncher(Launcher):
                     self.read_output(proc, fd, now)
             self.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
         errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
-        outcome = {
-            "status": status, "diverged": diverged, "reason": self.lost_why if status == "lost" else None,
-            "storage_error": self.storage_error, "notes": [], "dropped_lines": {},
-            "first_failure": min(errors, key=lambda r: self.replies[r][2]) if errors else self.first_failure,
-            "ranks": [self.rank_outcome(proc) for proc in self.ranks],
-        }
-        write_json(self.call_dir.outcome, outcome)
+        RunOutcome(
+            status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
+            storage_error=self.storage_error,
+            first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.first_failure,
+            ranks=[self.rank_outcome(proc) for proc in self.ranks],
+        ).write(self.call_dir.outcome)
         self.send({"kind": "end", "status": status, "storage_error": self.storage_error})
         for proc in self.ranks:
             proc.log.close()
@@ -222,15 +222,14 @@ class SessionLauncher(Launcher):
         self.call = self.call_dir = None
         self.call_deadline = self.leave_by = float("inf")
 
-    def rank_outcome(self, proc: Rank) -> dict[str, Any]:
+    def rank_outcome(self, proc: Rank) -> RankOutcome:
         assert self.call_dir is not None
         reply = self.replies.get(proc.rank)
         if reply is not None:
             ok = reply[0] == "ok" and self.call_dir.result(proc.rank).exists()
-            return {"rank": proc.rank, "exitcode": 0 if ok else 1, "ok": ok, "ended": reply[2],
-                    "stopped": reply[0] == "interrupted", "stacks": ""}
-        return {"rank": proc.rank, "exitcode": proc.returncode, "ok": False, "ended": proc.ended_at or time.time(),
-                "stopped": proc.rank != self.first_failure, "stacks": proc.stacks}
+            return RankOutcome(proc.rank, 0 if ok else 1, ok, reply[2], stopped=reply[0] == "interrupted")
+        return RankOutcome(proc.rank, proc.returncode, False, proc.ended_at or time.time(),
+                           stopped=proc.rank != self.first_failure, stacks=proc.stacks)
 
     def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
         """Lines, events and a call's end carry the call they belong to."""
@@ -240,14 +239,14 @@ class SessionLauncher(Launcher):
 
     # -- the whole session -------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        port = pick_port(self.spec["master_port"])
+    def run(self) -> RunOutcome:
+        port = pick_port(self.spec.master_port)
         if self.stop_reason is None:
             self.start_ranks(port, 0)
             self.supervise(float("inf"))
         if self.call is not None:  # the session ended during a call: the call ends with it
-            self.finish_call("lost" if self.stop_reason == "lost" else str(self.stop_reason))
+            self.finish_call(self.stop_reason or Status.LOST)
         self.close_commands()
         outcome = self.outcome(port)
-        outcome["reason"] = self.lost_why
+        outcome.reason = self.lost_why
         return outcome

@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from nbshard.contracts import LaunchSpec
 from nbshard.files import write_json
 from nbshard.job import RunDir
 
@@ -116,7 +117,7 @@ def _verified(path: Path, digest: str) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == digest else None
 
 
-def serve(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> int:
+def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
     """Answer the launcher's calls until it closes the session; returns the exit code."""
     from nbshard import monitor, worker
 

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nbshard import monitor
-from nbshard.files import open_private, read_json, write_atomic, write_json
+from nbshard.contracts import LaunchSpec
+from nbshard.files import open_private, write_atomic, write_json
 from nbshard.fresh import MAIN_NAMES
 from nbshard.job import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
@@ -150,9 +151,9 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
     )
 
 
-def _start_monitor(run_dir: RunDir, rank: int, launch: dict[str, Any]) -> None:
+def _start_monitor(run_dir: RunDir, rank: int, launch: LaunchSpec) -> None:
     try:
-        monitor.start(launch["address"], run_dir.key.read_bytes(), rank, launch["sample_interval"], str(run_dir.metrics(rank)))
+        monitor.start(launch.address, run_dir.key.read_bytes(), rank, launch.sample_interval, str(run_dir.metrics(rank)))
     except Exception as error:  # noqa: BLE001 - telemetry must never fail a job
         print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
 
@@ -200,14 +201,14 @@ def run_job(
 
 
 def _run(run_dir: RunDir, rank: int) -> int:
-    launch = read_json(run_dir.launch)
-    _use_kernel_path(launch["sys_path"])
+    launch = LaunchSpec.read(run_dir.launch)
+    _use_kernel_path(launch.sys_path)
     _start_monitor(run_dir, rank, launch)
-    if launch.get("session"):
+    if launch.session:
         from nbshard import session_rank
 
         return session_rank.serve(run_dir, rank, launch)
-    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch["return_all"])
+    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all)
 
 
 def _exit(code: int) -> None:

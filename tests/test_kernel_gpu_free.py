@@ -66,7 +66,7 @@ def test_hiding_gpus_from_the_kernel_keeps_them_for_the_ranks(tmp_path, runs_dir
             "    import os\n"
             "    return os.environ.get('CUDA_VISIBLE_DEVICES')\n"
             "handle = nbshard.submit(visible, return_all=True)\n"
-            "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), handle.nproc, handle.result(timeout=60))"
+            "print(repr(os.environ['CUDA_VISIBLE_DEVICES']), handle.world_size, handle.result(timeout=60))"
         )
         assert result.status == "ok", result.traceback
         assert result.stdout.strip() == "'' 2 ['0,1', '0,1']"

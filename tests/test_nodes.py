@@ -111,8 +111,8 @@ def test_a_failure_on_one_node_restarts_every_node_from_the_checkpoint(tmp_path,
     handle.watch()
     assert handle.result() == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 2}
     [attempt] = handle.attempts
-    assert (attempt["rank"], attempt["cause"]) == (1, "on rank 1: RuntimeError: boom at step 3 in attempt 0")
-    kept = Path(attempt["files"])
+    assert (attempt.rank, attempt.cause) == (1, "on rank 1: RuntimeError: boom at step 3 in attempt 0")
+    kept = Path(attempt.files)
     assert (kept / "error-1.json").exists() and (kept / "nodes" / "node-1" / "outcome.json").exists()
     assert "attempt 1 failed on rank 1: RuntimeError: boom at step 3 in attempt 0; starting every node again" in capsys.readouterr().out
     log = handle.logs(1)  # every attempt, in order

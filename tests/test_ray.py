@@ -153,7 +153,7 @@ def test_a_failure_restarts_every_node_on_the_same_actors(cluster, tmp_path):
     handle = nbshard.submit(restart_jobs.train_with_checkpoints, str(tmp_path), 6, 3, 1, 1,
                             nproc=1, nnodes=2, backend="ray", max_restarts=1)
     assert handle.result(timeout=120) == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 1}
-    assert handle.attempts[0]["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
+    assert handle.attempts[0].cause == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
     log = handle.logs(1)  # both attempts' lines came home from the node
     assert log.index("attempt 0 starts at step 0") < log.index("[nbshard] attempt 1 failed") < log.index("attempt 1 starts at step 3")
     assert run_gone_within(handle.run_dir.name, 5)

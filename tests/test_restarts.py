@@ -23,9 +23,9 @@ def test_a_job_that_fails_once_resumes_from_its_checkpoint_and_succeeds(tmp_path
     # the sum over all six steps (2 ranks x (1 + ... + 6)) is whole: no step ran twice or not at all.
     assert result == {"step": 6, "total": 42.0, "resumed_from": 3, "restart_count": 1, "max_restarts": 2}
     [attempt] = handle.attempts
-    assert attempt["attempt"] == 1 and attempt["rank"] == 1
-    assert attempt["cause"] == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
-    kept = Path(attempt["files"])
+    assert attempt.attempt == 1 and attempt.rank == 1
+    assert attempt.cause == "on rank 1: RuntimeError: boom at step 3 in attempt 0"
+    kept = Path(attempt.files)
     assert kept.parent == handle.run_dir and (kept / "error-1.json").exists()
     assert not (handle.run_dir / "error-1.json").exists()  # the first attempt's error does not mix with the result
     shown = capsys.readouterr().out
@@ -50,7 +50,7 @@ def test_a_job_that_keeps_failing_raises_once_restarts_run_out_naming_each_attem
 def test_a_rank_killed_by_a_signal_is_restarted_too():
     handle = nbshard.submit(restart_jobs.killed_in_first_attempt, int(signal.SIGKILL), nproc=2, max_restarts=1, return_all=True)
     assert handle.result(timeout=120) == [1, 1]
-    assert handle.attempts[0]["cause"] == "on rank 1: killed by SIGKILL"
+    assert handle.attempts[0].cause == "on rank 1: killed by SIGKILL"
 
 
 def test_a_cancelled_job_is_never_restarted(tmp_path):
@@ -65,7 +65,7 @@ def test_a_cancelled_job_is_never_restarted(tmp_path):
     assert isinstance(handle.exception(), nbshard.JobCancelled)
     assert len(handle.attempts) == 1  # the failed first attempt; the cancelled second one is not restarted
     assert "This was attempt 2, after 1 restart: attempt 1 failed on rank " in str(handle.exception())
-    assert "ValueError: first attempt fails" in handle.attempts[0]["cause"]
+    assert "ValueError: first attempt fails" in handle.attempts[0].cause
     assert not wait_until_gone(handle.run_dir, within=5)
 
 
@@ -93,6 +93,7 @@ def test_the_restart_line_names_the_rank_that_raised_first_not_the_one_seen_firs
     # Rank 1 raised; rank 0 failed because of it (its peer was gone) but its exit was seen first
     # (by another node's launcher, or in the same tick): the line names rank 1, as the final error does.
     from nbshard import attempts
+    from nbshard.contracts import RankOutcome
     from nbshard.files import write_json
     from nbshard.job import RunDir
 
@@ -101,13 +102,13 @@ def test_the_restart_line_names_the_rank_that_raised_first_not_the_one_seen_firs
     write_json(errors.error(0), {"rank": 0, "time": 100.4, "exc_type": "builtins.RuntimeError",
                                  "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:21391"})
     seen = [
-        {"rank": 0, "ok": False, "stopped": False, "ended": 100.5, "exitcode": 1},
-        {"rank": 1, "ok": False, "stopped": False, "ended": 100.9, "exitcode": 1},
-        {"rank": 2, "ok": False, "stopped": True, "ended": 99.0, "exitcode": -15},  # stopped by nbshard: not a cause
+        RankOutcome(rank=0, ok=False, stopped=False, ended=100.5, exitcode=1),
+        RankOutcome(rank=1, ok=False, stopped=False, ended=100.9, exitcode=1),
+        RankOutcome(rank=2, ok=False, stopped=True, ended=99.0, exitcode=-15),  # stopped by nbshard: not a cause
     ]
     assert attempts.first_cause(tmp_path, seen) == (1, "on rank 1: RuntimeError: boom at step 2")
     # Without error files (killed by a signal), the exit seen first is the cause.
     assert attempts.first_cause(tmp_path / "none", seen) == (0, "on rank 0: exited with code 1")
-    assert attempts.first_cause(tmp_path, [{"rank": 0, "ok": True, "stopped": False, "ended": 1.0, "exitcode": 0}]) == (
+    assert attempts.first_cause(tmp_path, [RankOutcome(rank=0, ok=True, stopped=False, ended=1.0, exitcode=0)]) == (
         None, "(no rank reported why)"
     )

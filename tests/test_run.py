@@ -140,7 +140,7 @@ def test_tensor_results_arrive_from_every_rank():
 def test_default_nproc_is_one_without_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     handle = nbshard.submit(programs.rank_and_value, 1)
-    assert handle.nproc == 1 and handle.result(timeout=60) == 0
+    assert handle.world_size == 1 and handle.result(timeout=60) == 0
 
 
 def test_atexit_handlers_of_the_user_run_in_the_ranks(tmp_path):

@@ -228,7 +228,7 @@ def test_a_killed_kernel_takes_the_sessions_ranks_along_within_5_seconds(script,
 
 def wait_for_lines(handle: nbshard.JobHandle, text: str, count: int, within: float = 60) -> None:
     deadline = time.monotonic() + within
-    while sum(handle.logs(r).count(text) for r in range(handle.nproc)) < count:
+    while sum(handle.logs(r).count(text) for r in range(handle.world_size)) < count:
         assert time.monotonic() < deadline, handle.logs()
         time.sleep(0.05)
 

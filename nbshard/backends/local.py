@@ -9,12 +9,12 @@ import site
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from nbshard.backends.nodes import NodeGroup, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import start_pending_warm, warm_launch
 from nbshard.backends.warm_launcher import WarmLauncher
-from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
+from nbshard.contracts import LaunchSpec, RunOutcome
+from nbshard.files import mkdir_private, open_private, write_atomic
 from nbshard.fresh import cold_command
 from nbshard.job import RunDir, rank_environment
 from nbshard.ports import pick_port
@@ -106,8 +106,8 @@ def start_local(
     """The launcher of ``run_dir``: forked by the warm process when ``preload`` is given (the
     modules it imports) and it can, else a fresh interpreter; ``.note`` says why it is cold.
     A multi-node run gets one launcher per node, all on this machine, behind a ``NodeGroup``."""
-    spec = read_json(run_dir.launch)
-    if spec.get("nnodes", 1) > 1:
+    spec = LaunchSpec.read(run_dir.launch)
+    if spec.nnodes > 1:
         return _start_nodes(run_dir, spec, env, cwd, preload)
     return _start_node(run_dir, env, cwd, preload)
 
@@ -119,7 +119,7 @@ class LocalNode:
         self.launcher, self.node_dir = launcher, node_dir
         self.poll, self.request, self.kill, self.close = launcher.poll, launcher.request, launcher.kill, launcher.close
 
-    def outcome(self) -> dict[str, Any] | None:
+    def outcome(self) -> RunOutcome | None:
         return node_outcome(self.node_dir)
 
     def lost(self) -> str | None:
@@ -132,20 +132,20 @@ class LocalNode:
         return read_log(self.node_dir, rank)
 
 
-def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:
+def _start_nodes(run_dir: RunDir, spec: LaunchSpec, env: Mapping[str, str], cwd: str, preload: Sequence[str] | None) -> NodeGroup:
     """Each node a launcher of its own, in its own directory under the run's."""
 
     def launch(restart_count: int) -> list[LocalNode]:
-        port = pick_port(spec["master_port"])  # node 0's, for every node
+        port = pick_port(spec.master_port)  # node 0's, for every node
         nodes: list[LocalNode] = []
         try:
-            for node_rank in range(spec["nnodes"]):
+            for node_rank in range(spec.nnodes):
                 node_dir = run_dir.node(node_rank)
                 mkdir_private(node_dir.path)
                 write_atomic(node_dir.key, run_dir.key.read_bytes())
                 if run_dir.job.exists():
                     os.link(run_dir.job, node_dir.job)
-                write_json(node_dir.launch, {**spec, "node_rank": node_rank, "master_port": port, "restart_count": restart_count})
+                spec.replace(node_rank=node_rank, master_port=port, restart_count=restart_count).write(node_dir.launch)
                 nodes.append(LocalNode(_start_node(node_dir, env, cwd, preload), node_dir))
         except BaseException:
             for node in nodes:
@@ -154,7 +154,7 @@ def _start_nodes(run_dir: RunDir, spec: dict[str, Any], env: Mapping[str, str], 
         return nodes
 
     nodes = launch(0)
-    group = NodeGroup(run_dir, nodes, spec["nproc"], spec["address"], relaunch=launch, max_restarts=spec.get("max_restarts", 0))
+    group = NodeGroup(run_dir, nodes, spec.nproc_per_node, spec.address, relaunch=launch, max_restarts=spec.max_restarts)
     group.note = next((node.launcher.note for node in nodes if node.launcher.note), None)
     return group
 
@@ -165,8 +165,8 @@ def _start_node(
     env = _importable_env(env)
     if preload is None:
         return _start_cold(run_dir, env, cwd)
-    spec = read_json(run_dir.launch)
-    rank_env = rank_environment(env, rank=0, nproc=spec["nproc"], master_port=0, run_id="", run_dir=run_dir)
+    spec = LaunchSpec.read(run_dir.launch)
+    rank_env = rank_environment(env, rank=0, nproc=spec.nproc_per_node, master_port=0, run_id="", run_dir=run_dir)
     cwd = os.path.abspath(cwd)
     launched, note = warm_launch(run_dir, env, cwd, preload=preload, rank_env=rank_env)
     if launched is not None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from nbshard.files import read_json, write_json
+from nbshard.contracts import Attempt, RankOutcome, RunOutcome, Status
 from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
 from nbshard.wire import Sender
 
@@ -40,7 +40,7 @@ class Node(Protocol):
     def request(self, command: bytes) -> None: ...
     def kill(self) -> None: ...
     def close(self) -> None: ...
-    def outcome(self) -> dict[str, Any] | None: ...
+    def outcome(self) -> RunOutcome | None: ...
     def lost(self) -> str | None: ...
     def bring_home(self, run_dir: RunDir) -> None: ...
     def live_log(self, rank: int) -> bytes: ...
@@ -53,7 +53,7 @@ class NodeGroup:
     note: str | None = None
 
     def __init__(
-        self, run_dir: RunDir, nodes: Sequence[Node], nproc: int, address: str, cleanup: Any = None,
+        self, run_dir: RunDir, nodes: Sequence[Node], nproc_per_node: int, address: str, cleanup: Any = None,
         *, relaunch: Any = None, max_restarts: int = 0,
     ) -> None:
         self.nodes = list(nodes)
@@ -62,12 +62,12 @@ class NodeGroup:
         self._max_restarts = max_restarts
         self._address = address  # the kernel's socket
         self._run_dir = run_dir
-        self._nproc = nproc
+        self._nproc_per_node = nproc_per_node
         self._asked: bytes | None = None  # what the kernel asked for (a cancel, a kill)
         self._stopping_for: int | None = None  # the node whose end stopped the others
         self._ended: dict[int, float] = {}
         self._lost: dict[int, str] = {}
-        self.attempts: list[dict[str, Any]] = []
+        self.attempts: list[Attempt] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"nbshard-nodes-{run_dir.path.name}", daemon=True)
         self._thread.start()
@@ -95,7 +95,7 @@ class NodeGroup:
     def live_log(self, rank: int) -> bytes:
         """A rank's log so far, from the node that runs it (the run's directory has it once the run ended)."""
         with contextlib.suppress(Exception):
-            return self.nodes[rank // self._nproc].live_log(rank)
+            return self.nodes[rank // self._nproc_per_node].live_log(rank)
         return b""
 
     def close(self) -> None:
@@ -124,13 +124,13 @@ class NodeGroup:
                 self._stopping_for, self._ended, self._lost = None, {}, {}
                 if self._asked is not None:  # a cancel that came while the nodes restarted
                     self.request(self._asked)
-            outcome["attempts"] = self.attempts
-            write_json(self._run_dir.outcome, outcome)
-            self._send({"kind": "end", "status": outcome["status"], "storage_error": outcome["storage_error"]})
+            outcome.attempts = self.attempts
+            outcome.write(self._run_dir.outcome)
+            self._send({"kind": "end", "status": outcome.status, "storage_error": outcome.storage_error})
         finally:
             self._done.set()
 
-    def _run_attempt(self) -> dict[str, Any]:
+    def _run_attempt(self) -> RunOutcome:
         """Supervise the nodes until each has ended; their files home, their outcomes merged."""
         while len(self._ended) < len(self.nodes):
             for index, node in enumerate(self.nodes):
@@ -142,30 +142,30 @@ class NodeGroup:
                 node.bring_home(self._run_dir)
         return merge_outcomes(
             [None if i in self._lost else node.outcome() for i, node in enumerate(self.nodes)],
-            self._lost, self._ended, self._nproc, cancelled=self._asked is not None and self._stopping_for is None,
+            self._lost, self._ended, self._nproc_per_node, cancelled=self._asked is not None and self._stopping_for is None,
         )
 
-    def _may_restart(self, outcome: dict[str, Any]) -> bool:
+    def _may_restart(self, outcome: RunOutcome) -> bool:
         return (
-            outcome["status"] == "failed" and self._asked is None and not outcome["storage_error"]
+            outcome.status is Status.FAILED and self._asked is None and not outcome.storage_error
             and self._relaunch is not None and len(self.attempts) < self._max_restarts
         )
 
-    def _set_aside(self, outcome: dict[str, Any], restart_count: int) -> str:
+    def _set_aside(self, outcome: RunOutcome, restart_count: int) -> str:
         """Keep the failed attempt's files (the nodes' directories too) and say why it failed."""
         from nbshard import attempts
 
-        folder = attempts.set_aside(self._run_dir, (entry["rank"] for entry in outcome["ranks"]), restart_count)
+        folder = attempts.set_aside(self._run_dir, (entry.rank for entry in outcome.ranks), restart_count)
         with contextlib.suppress(OSError):
             os.replace(self._run_dir.path / "nodes", folder / "nodes")
-        if outcome["lost_nodes"]:
-            rank, why = None, "because " + "; ".join(f"node {node} was lost: {text}" for node, text in outcome["lost_nodes"].items())
+        if outcome.lost_nodes:
+            rank, why = None, "because " + "; ".join(f"node {node} was lost: {text}" for node, text in outcome.lost_nodes.items())
         else:
-            rank, why = attempts.first_cause(folder, outcome["ranks"])
+            rank, why = attempts.first_cause(folder, outcome.ranks)
         text = attempts.record(self.attempts, rank, why, folder, "every node", self._max_restarts, restart_count)
-        for entry in outcome["ranks"]:
+        for entry in outcome.ranks:
             with contextlib.suppress(OSError):
-                append_home(self._run_dir, self._run_dir.log(entry["rank"]).name, f"\n[nbshard] {text}\n".encode())
+                append_home(self._run_dir, self._run_dir.log(entry.rank).name, f"\n[nbshard] {text}\n".encode())
         return text
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -186,7 +186,7 @@ class NodeGroup:
         if why is not None:
             self._lost[index] = why
             node.kill()
-        failed = why is not None or outcome["status"] != "succeeded"
+        failed = why is not None or not outcome.succeeded
         if failed and self._stopping_for is None and self._asked is None:
             self._stopping_for = index
             for other, peer in enumerate(self.nodes):
@@ -195,49 +195,47 @@ class NodeGroup:
 
 
 def merge_outcomes(
-    outcomes: Sequence[dict[str, Any] | None], lost: dict[int, str], ended: dict[int, float],
-    nproc: int, *, cancelled: bool,
-) -> dict[str, Any]:
+    outcomes: Sequence[RunOutcome | None], lost: dict[int, str], ended: dict[int, float],
+    nproc_per_node: int, *, cancelled: bool,
+) -> RunOutcome:
     """One outcome for the run from each node's (None for a lost node, whose ranks become
     failures of their own, timed when the node was found lost)."""
-    ranks: list[dict[str, Any]] = []
+    ranks: list[RankOutcome] = []
     for node, outcome in enumerate(outcomes):
         if outcome is None:
             ranks += [
-                {"rank": node * nproc + local, "exitcode": None, "ok": False, "ended": ended.get(node, time.time()),
-                 "stopped": False, "stacks": "", "lost": f"node {node} was lost: {lost.get(node, 'no outcome')}"}
-                for local in range(nproc)
+                RankOutcome(node * nproc_per_node + local, None, False, ended.get(node, time.time()),
+                            lost=f"node {node} was lost: {lost.get(node, 'no outcome')}")
+                for local in range(nproc_per_node)
             ]
         else:
-            ranks += outcome["ranks"]
-    statuses = {outcome["status"] for outcome in outcomes if outcome is not None}
+            ranks += outcome.ranks
+    statuses = {outcome.status for outcome in outcomes if outcome is not None}
     if cancelled:
-        status = "cancelled"
-    elif lost or "failed" in statuses:
-        status = "failed"
-    elif "timed_out" in statuses:
-        status = "timed_out"
-    elif statuses == {"succeeded"}:
-        status = "succeeded"
+        status = Status.CANCELLED
+    elif lost or Status.FAILED in statuses:
+        status = Status.FAILED
+    elif Status.TIMED_OUT in statuses:
+        status = Status.TIMED_OUT
+    elif statuses == {Status.SUCCEEDED}:
+        status = Status.SUCCEEDED
     else:
-        status = "failed"  # a node cancelled by another's end, or the kernel gone
+        status = Status.FAILED  # a node cancelled by another's end, or the kernel gone
     known = [outcome for outcome in outcomes if outcome is not None]
-    return {
-        "status": status,
-        "storage_error": next((o["storage_error"] for o in known if o.get("storage_error")), None),
-        "first_failure": None,
-        "master_port": known[0]["master_port"] if known and outcomes[0] is not None else None,
-        "notes": [note for o in known for note in o.get("notes", [])],
-        "attempts": [],
-        "lost_nodes": {str(node): why for node, why in lost.items()},
+    return RunOutcome(
+        status=status,
+        storage_error=next((o.storage_error for o in known if o.storage_error), None),
+        master_port=known[0].master_port if known and outcomes[0] is not None else None,
+        notes=[note for o in known for note in o.notes],
+        lost_nodes=dict(lost),
         # Launchers stopped by a signal the kernel did not send (a scheduler's scancel, a user's kill).
-        "stopped_from_outside": {} if cancelled else {
-            str(node): o["signal_received"] for node, o in enumerate(outcomes) if o is not None and o.get("signal_received")
+        stopped_from_outside={} if cancelled else {
+            node: o.signal_received for node, o in enumerate(outcomes) if o is not None and o.signal_received
         },
-        "dropped_lines": {k: v for o in known for k, v in o.get("dropped_lines", {}).items()},
-        "lines_sent": {k: v for o in known for k, v in o.get("lines_sent", {}).items()},
-        "ranks": sorted(ranks, key=lambda entry: entry["rank"]),
-    }
+        dropped_lines={k: v for o in known for k, v in o.dropped_lines.items()},
+        lines_sent={k: v for o in known for k, v in o.lines_sent.items()},
+        ranks=sorted(ranks, key=lambda entry: entry.rank),
+    )
 
 
 def move_rank_files(node_dir: RunDir, run_dir: RunDir) -> None:
@@ -266,11 +264,9 @@ def read_log(node_dir: RunDir, rank: int) -> bytes:
     return path.read_bytes() if path.exists() else b""
 
 
-def node_outcome(node_dir: RunDir) -> dict[str, Any] | None:
+def node_outcome(node_dir: RunDir) -> RunOutcome | None:
     """A node launcher's outcome, or None when it wrote none."""
-    with contextlib.suppress(OSError, ValueError):
-        return read_json(node_dir.outcome)
-    return None
+    return RunOutcome.read(node_dir.outcome)
 
 
 class Forwarder:

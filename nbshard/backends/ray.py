@@ -32,7 +32,8 @@ from typing import Any
 import zmq
 
 from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, node_outcome, read_log
-from nbshard.files import mkdir_private, read_json, write_atomic, write_json
+from nbshard.contracts import LaunchSpec, RunOutcome
+from nbshard.files import mkdir_private, write_atomic
 from nbshard.job import RANK_FILES, RunDir, check_count, check_seconds
 from nbshard.leftovers import hold_alive, sweep_temp
 from nbshard.ports import pick_port
@@ -77,20 +78,21 @@ class NodeAgent:
 
         return ray.util.get_node_ip_address(), pick_port(None)
 
-    def start(self, spec: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str], preload: list[str] | None) -> None:
+    def start(self, spec_json: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str], preload: list[str] | None) -> None:
         """Start this node's launcher: forked from a warm process of this actor's (started by its
         first job, so a kept actor's later jobs launch warm) when ``preload`` is given."""
         from nbshard.backends.local import _start_node
 
+        spec = LaunchSpec.from_json(spec_json)
         self.frames.clear()  # a kept actor: nothing of the last run (or attempt) goes to this one
-        self.run_dir = RunDir(self.folder / spec["run_id"] / f"node-{spec['node_rank']}")
+        self.run_dir = RunDir(self.folder / spec.run_id / f"node-{spec.node_rank}")
         shutil.rmtree(self.run_dir.path, ignore_errors=True)  # a restarted job's last attempt
         mkdir_private(self.run_dir.path)
         write_atomic(self.run_dir.key, key)
         if job is not None:
             write_atomic(self.run_dir.job, job)
-        cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else str(self.folder)
-        write_json(self.run_dir.launch, {**spec, "address": self.address, "kernel_pid": os.getpid(), "cwd": cwd})
+        cwd = spec.cwd if os.path.isdir(spec.cwd) else str(self.folder)
+        spec.replace(address=self.address, kernel_pid=os.getpid(), cwd=cwd).write(self.run_dir.launch)
         self.launcher = _start_node(self.run_dir, {**os.environ, **env}, cwd, preload)
 
     def pump(self) -> tuple[list[list[bytes]], int | None]:
@@ -107,7 +109,9 @@ class NodeAgent:
         self.launcher.kill()
 
     def outcome(self) -> dict[str, Any] | None:
-        return node_outcome(self.run_dir)
+        """The launcher's outcome as JSON (Ray carries plain data; the kernel parses it)."""
+        outcome = node_outcome(self.run_dir)
+        return None if outcome is None else outcome.to_json()
 
     def rank_files(self) -> dict[str, int]:
         return {p.name: p.stat().st_size for p in self.run_dir.path.iterdir() if p.name.startswith(RANK_FILES)}
@@ -137,7 +141,7 @@ class RayNode:
         self._heartbeat = heartbeat
         self._exit: int | None = None
         self._lost: str | None = None
-        self._outcome: dict[str, Any] | None = None
+        self._outcome: RunOutcome | None = None
         self._thread = threading.Thread(target=self._pump, name=f"nbshard-ray-node-{node_rank}", daemon=True)
         self._thread.start()
 
@@ -160,7 +164,8 @@ class RayNode:
                 self._forward(message)
             if code is not None:
                 with contextlib.suppress(ray.exceptions.RayError):
-                    self._outcome = ray.get(self.actor.outcome.remote(), timeout=self._heartbeat)
+                    outcome = ray.get(self.actor.outcome.remote(), timeout=self._heartbeat)
+                    self._outcome = None if outcome is None else RunOutcome.from_json(outcome)
                 self._exit = code
             else:
                 time.sleep(PUMP)
@@ -171,7 +176,7 @@ class RayNode:
     def lost(self) -> str | None:
         return self._lost
 
-    def outcome(self) -> dict[str, Any] | None:
+    def outcome(self) -> RunOutcome | None:
         return self._outcome
 
     def request(self, command: bytes) -> None:
@@ -233,19 +238,19 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         import ray
     except ImportError:
         raise ImportError("backend='ray' needs Ray: pip install 'nbshard[ray]' (or pip install ray)") from None
-    spec = read_json(run_dir.launch)
-    options = _options(spec.get("backend_options", {}))
-    if spec.get("gpus") is not None:
+    spec = LaunchSpec.read(run_dir.launch)
+    options = _options(spec.backend_options)
+    if spec.gpus is not None:
         raise ValueError("backend='ray' gives each node the GPUs Ray assigns it: ask with backend_options={'num_gpus': N}, not gpus=")
     if not ray.is_initialized():
         ray.init(log_to_driver=False)  # RAY_ADDRESS, if set, names the cluster; else a local one starts
-    nnodes = spec["nnodes"]
+    nnodes = spec.nnodes
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}), **options["resources"]}
     pool_key = repr((nnodes, sorted(bundle.items())))
     key = run_dir.key.read_bytes()
     job = run_dir.job.read_bytes() if run_dir.job.exists() else None
-    node_env = node_environment(env, spec.get("env", {}), options["env_allow"])
-    forward = Forwarder(spec["address"])
+    node_env = node_environment(env, spec.env, options["env_allow"])
+    forward = Forwarder(spec.address)
     current: dict[str, Any] = {"nodes": [], "placed": None}  # the attempt's nodes, and its placement and actors
 
     def usable(nodes: list[RayNode]) -> bool:
@@ -260,10 +265,10 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         group, actors = current["placed"]
         try:
             master_addr, port = ray.get(actors[0].where.remote(), timeout=options["place_timeout"])
-            node_spec = {**spec, "master_addr": master_addr, "master_port": spec["master_port"] or port, "restart_count": restart_count}
+            node_spec = spec.replace(master_addr=master_addr, master_port=spec.master_port or port, restart_count=restart_count)
             ray.get([
                 actor.start.remote(
-                    {**node_spec, "node_rank": i}, key, job, node_env,
+                    node_spec.replace(node_rank=i).to_json(), key, job, node_env,
                     list(preload) if preload is not None and options["keep"] else None,  # warm pays off in kept actors
                 )
                 for i, actor in enumerate(actors)
@@ -291,7 +296,7 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         else:
             _free(ray, *current["placed"])
 
-    return NodeGroup(run_dir, nodes, spec["nproc"], spec["address"], cleanup, relaunch=launch, max_restarts=spec.get("max_restarts", 0))
+    return NodeGroup(run_dir, nodes, spec.nproc_per_node, spec.address, cleanup, relaunch=launch, max_restarts=spec.max_restarts)
 
 
 _KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same

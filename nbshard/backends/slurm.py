@@ -42,6 +42,7 @@ from typing import Any
 import zmq
 
 from nbshard.backends.nodes import Forwarder, NodeGroup, move_rank_files, node_outcome, read_log
+from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
 from nbshard.job import KILL, RunDir, check_seconds
 from nbshard.ports import pick_port
@@ -137,7 +138,7 @@ class SlurmNode:
 
     def __init__(self, step: SlurmStep, node_dir: RunDir, node_rank: int, heartbeat: float) -> None:
         self.step, self.node_dir, self.node_rank, self.heartbeat = step, node_dir, node_rank, heartbeat
-        self._outcome: dict[str, Any] | None = None  # once written, it stays: read no more
+        self._outcome: RunOutcome | None = None  # once written, it stays: read no more
         self._srun_ended_at: float | None = None
 
     def poll(self) -> int | None:
@@ -167,7 +168,7 @@ class SlurmNode:
             f"allocation was cancelled (scancel), ran out of time, or the node failed; see {self.step._log.name}"
         )
 
-    def outcome(self) -> dict[str, Any] | None:
+    def outcome(self) -> RunOutcome | None:
         if self._outcome is None:
             self._outcome = node_outcome(self.node_dir)
         return self._outcome
@@ -193,22 +194,22 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
     srun = shutil.which("srun", path=env.get("PATH"))
     if srun is None:
         raise RuntimeError("backend='slurm' needs Slurm's srun on PATH: run the notebook on a Slurm cluster's node")
-    spec = read_json(run_dir.launch)
-    unknown = set(spec.get("backend_options", {})) - _OPTIONS
+    spec = LaunchSpec.read(run_dir.launch)
+    unknown = set(spec.backend_options) - _OPTIONS
     if unknown:
         raise ValueError(f"backend_options for slurm: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(_OPTIONS))}")
-    options = {"srun_args": [], "env_allow": (), "heartbeat": 30.0, **spec.get("backend_options", {})}
+    options = {"srun_args": [], "env_allow": (), "heartbeat": 30.0, **spec.backend_options}
     check_seconds("backend_options['heartbeat']", options["heartbeat"])
-    if spec.get("gpus") is not None:
+    if spec.gpus is not None:
         raise ValueError("backend='slurm' gives each node the GPUs Slurm assigns it: ask with srun_args=['--gpus-per-node=N'], not gpus=")
     from nbshard.backends.local import _importable_env
     from nbshard.backends.ray import ENV_ALLOW
 
     keep = (*ENV_KEEP, *ENV_ALLOW, *options["env_allow"])
-    task_env = _importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.get("env", {})})
-    nnodes = spec["nnodes"]
+    task_env = _importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.env})
+    nnodes = spec.nnodes
     job_name = f"nbshard-{run_dir.path.name}"[:120]
-    forward = Forwarder(spec["address"])
+    forward = Forwarder(spec.address)
     steps: list[SlurmStep] = []
 
     def launch(restart_count: int) -> list[SlurmNode]:
@@ -226,7 +227,7 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
         steps[-1].close()
         forward.close()
 
-    return NodeGroup(run_dir, launch(0), spec["nproc"], spec["address"], cleanup, relaunch=launch, max_restarts=spec.get("max_restarts", 0))
+    return NodeGroup(run_dir, launch(0), spec.nproc_per_node, spec.address, cleanup, relaunch=launch, max_restarts=spec.max_restarts)
 
 
 # -- a node's side: one srun task --------------------------------------------------
@@ -303,7 +304,7 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     from nbshard.backends.local import _start_cold
 
     paths = RunDir(Path(run_dir))
-    spec = read_json(paths.launch)
+    spec = LaunchSpec.read(paths.launch)
     node_rank = int(os.environ["SLURM_NODEID"])
     node_dir = paths.node(node_rank)
     mkdir_private(node_dir.path, exist_ok=True)
@@ -318,13 +319,13 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     write_atomic(node_dir.key, paths.key.read_bytes())
     if paths.job.exists():
         write_atomic(node_dir.job, paths.job.read_bytes())
-    write_json(node_dir.launch, {
-        **spec, "node_rank": node_rank, "master_addr": master_addr, "master_port": spec["master_port"] or port,
-        "address": address, "kernel_pid": os.getpid(), "restart_count": restart_count,
-    })
+    spec.replace(
+        node_rank=node_rank, master_addr=master_addr, master_port=spec.master_port or port,
+        address=address, kernel_pid=os.getpid(), restart_count=restart_count,
+    ).write(node_dir.launch)
     # The launcher's stdin is this task's: srun's, which carries the kernel's words and its end.
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARIABLES)}
-    launcher = _start_cold(node_dir, env, spec["cwd"] if os.path.isdir(spec["cwd"]) else str(node_dir.path))
+    launcher = _start_cold(node_dir, env, spec.cwd if os.path.isdir(spec.cwd) else str(node_dir.path))
     # Slurm signals every process of the step (scancel, a time limit): this task passes the signal on
     # (the launcher may be in a session of its own) and ends after its launcher, so srun ends only
     # once the launcher has written how its ranks ended, and the kernel reads "stopped from outside".
