@@ -15,7 +15,7 @@ import sys
 import time
 
 import nbshard
-from nbshard.telemetry import _shown_bytes
+from nbshard.kernel.telemetry import _shown_bytes
 
 MiB = 2**20
 

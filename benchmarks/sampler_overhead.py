@@ -14,7 +14,7 @@ import sys
 import time
 
 import nbshard
-from nbshard.monitor import sample_memory
+from nbshard.rank.monitor import sample_memory
 
 
 def step_times(steps: int, width: int) -> float:

@@ -5,17 +5,17 @@
 
 from __future__ import annotations
 
-from nbshard.client import (
+from nbshard.kernel.client import (
     JobHandle, Settings, TooManyRanks, cancel_all, jobs, restart_warm, run, settings, submit, warm_status,
 )
-from nbshard.dist import device, init_process_group
+from nbshard.rank.dist import device, init_process_group
 from nbshard.errors import (
     JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError, SessionLost,
 )
-from nbshard.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
+from nbshard.kernel.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.job import Job
-from nbshard.monitor import log_metrics
-from nbshard.persistent import Session, SessionBusy, session, sessions
+from nbshard.rank.monitor import log_metrics
+from nbshard.kernel.persistent import Session, SessionBusy, session, sessions
 
 __all__ = [
     "Job",
@@ -54,6 +54,6 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext nbshard``: register the ``%%shard_train`` cell magic."""
-    from nbshard.magic import load_ipython_extension as register
+    from nbshard.kernel.magic import load_ipython_extension as register
 
     register(ipython)

@@ -266,6 +266,11 @@ class RunDir:
         """Where the error and stack files of an attempt that was restarted are kept."""
         return self.path / f"attempt-{restart_count}"
 
+    @property
+    def names(self) -> Path:
+        """A session call's: the names rank 0's namespace holds after the call."""
+        return self.path / "names.json"
+
     def notebook_main(self, rank: int) -> Path:
         """The notebook's classes and functions, for spawn-started children of a rank."""
         return self.path / f"main-{rank}.pkl"

@@ -24,10 +24,16 @@ from cloudpickle import cloudpickle as _cloudpickle_internals
 from nbshard.files import write_atomic_with
 
 __all__ = [
-    "RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable", "write_result",
+    "RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable", "is_notebook_code",
+    "write_result",
 ]
 
 _MAX_DEPTH = 6
+
+
+def is_notebook_code(value: Any) -> bool:
+    """A function or class defined in the notebook: code the person edits, shipped fresh each call."""
+    return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -31,7 +31,7 @@ _PACKAGE_DIRS = _dirs("purelib", "platlib")
 
 
 STARTING = "before its function started (nbshard was still setting the rank up)"
-_CALL_JOB = "call_job"  # nbshard.worker.call_job, the frame that calls the user's function
+_CALL_JOB = "call_job"  # nbshard.process.calls.call_job, the frame that calls the user's function
 
 
 def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:

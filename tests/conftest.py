@@ -25,7 +25,7 @@ def pythonpath(*first: Path) -> str:
 
 def gpu_count() -> int:
     """GPUs visible here, counted as nbshard counts them: without a CUDA context."""
-    from nbshard.gpus import visible_gpu_count
+    from nbshard.kernel.gpus import visible_gpu_count
 
     return visible_gpu_count(os.environ)
 

@@ -99,7 +99,7 @@ def hold_cuda_tensor() -> dict:
     import torch
 
     import nbshard
-    from nbshard.session_rank import collectives_issued
+    from nbshard.process.session_rank import collectives_issued
 
     if not torch.distributed.is_initialized():
         nbshard.init_process_group()

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from nbshard.cell import free_names
+from nbshard.kernel.cell import free_names
 
 
 def names(source: str) -> set[str]:

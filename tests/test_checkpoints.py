@@ -80,7 +80,7 @@ def test_a_dcp_directory_passed_as_the_full_checkpoint_is_read_sharded(tmp_path)
 def test_the_mapped_reader_reads_what_torchs_reader_reads(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from nbshard.checkpoints import MappedReader
+    from nbshard.rank.checkpoints import MappedReader
 
     saved = {"rows": torch.randn(300, 7), "odd": torch.arange(30.0).reshape(5, 6)[:, 1:], "half": torch.randn(9).half()}
     dcp.save({**saved, "step": 7}, checkpoint_id=str(tmp_path), no_dist=True)  # items at unaligned offsets

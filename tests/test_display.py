@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from nbshard.display import LinePrinter, TailView
+from nbshard.kernel.display import LinePrinter, TailView
 from nbshard.ports import pick_port
-from nbshard.lines import LineSplitter
+from nbshard.process.lines import LineSplitter
 
 
 def render(text: str) -> list[str]:

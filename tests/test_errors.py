@@ -86,10 +86,10 @@ def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
 
 
 def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache):
-    import nbshard.worker
+    import nbshard.process.worker
     from nbshard.stacks import STARTING, where_stopped
 
-    worker, threading_py = nbshard.worker.__file__, threading_file()
+    worker, threading_py = nbshard.process.worker.__file__, threading_file()
     torch_file = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")
     stacks = (
         "main thread 0x00007f00000000aa\n"

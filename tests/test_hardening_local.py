@@ -130,11 +130,11 @@ def dead_kernel_run(script, runs_dir):
     """The run of a kernel SIGKILLed while it loaded the result (as a large one takes a while)."""
     kernel = script(
         """
-        import time, nbshard, nbshard.outcome, test_hardening_local as here
+        import time, nbshard, nbshard.kernel.outcome, test_hardening_local as here
         def slow_load(*args, **kwargs):  # the kernel is killed in the middle of reading the value
             print("loading", flush=True)
             time.sleep(600)
-        nbshard.outcome._load_values = slow_load
+        nbshard.kernel.outcome._load_values = slow_load
         handle = nbshard.submit(here.return_bytes, 1 << 20, nproc=1)
         print("run", handle.run_dir, flush=True)
         handle.exception()

@@ -92,7 +92,7 @@ def test_a_session_refuses_a_job_with_restarts():
 def test_the_restart_line_names_the_rank_that_raised_first_not_the_one_seen_first(tmp_path):
     # Rank 1 raised; rank 0 failed because of it (its peer was gone) but its exit was seen first
     # (by another node's launcher, or in the same tick): the line names rank 1, as the final error does.
-    from nbshard import attempts
+    from nbshard.process import attempts
     from nbshard.contracts import RankOutcome
     from nbshard.files import write_json
     from nbshard.job import RunDir

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 import nbshard
-from nbshard.display import RankView, render_html, render_text, sparkline_svg
-from nbshard.monitor import log_metrics, sample_memory
-from nbshard.telemetry import Telemetry
+from nbshard.kernel.display import RankView, render_html, render_text, sparkline_svg
+from nbshard.rank.monitor import log_metrics, sample_memory
+from nbshard.kernel.telemetry import Telemetry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -212,7 +212,7 @@ def test_every_metric_is_kept_even_when_the_wire_drops_some():
 
 
 def test_the_kernel_keeps_a_bounded_number_of_live_records():
-    from nbshard.telemetry import KEPT
+    from nbshard.kernel.telemetry import KEPT
 
     telemetry = Telemetry(nproc=1)
     for step in range(KEPT + 500):

@@ -15,7 +15,7 @@ from nbshard.backends.warm import start_pending_warm, warm_launch
 from nbshard.backends.warm_launcher import WarmLauncher
 from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, open_private, write_atomic
-from nbshard.fresh import cold_command
+from nbshard.process.fresh import cold_command
 from nbshard.job import RunDir, rank_environment
 from nbshard.ports import pick_port
 
@@ -46,7 +46,7 @@ class LauncherProcess:
         return self._popen.wait(timeout)
 
     def request(self, command: bytes) -> None:
-        """Write a command byte to the launcher (see nbshard.launcher.CANCEL and KILL)."""
+        """Write a command byte to the launcher (see nbshard.process.launcher.CANCEL and KILL)."""
         with contextlib.suppress(BrokenPipeError, ValueError, OSError):
             stdin = self._popen.stdin
             if stdin is not None:

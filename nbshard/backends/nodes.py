@@ -25,8 +25,9 @@ from typing import Any, Protocol
 
 import zmq
 
-from nbshard.contracts import Attempt, RankOutcome, RunOutcome, Status
+from nbshard.contracts import RankOutcome, RunOutcome, Status
 from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
+from nbshard.process.supervision import RestartPolicy
 from nbshard.wire import Sender
 
 __all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "merge_outcomes", "move_rank_files", "node_outcome", "read_log"]
@@ -59,7 +60,7 @@ class NodeGroup:
         self.nodes = list(nodes)
         self._cleanup = cleanup  # what the backend frees once, when the run is over
         self._relaunch = relaunch  # relaunch(restart_count) -> fresh nodes, for max_restarts
-        self._max_restarts = max_restarts
+        self._policy = RestartPolicy(run_dir, max_restarts if relaunch is not None else 0, "every node", self._mark_log)
         self._address = address  # the kernel's socket
         self._run_dir = run_dir
         self._nproc_per_node = nproc_per_node
@@ -67,7 +68,6 @@ class NodeGroup:
         self._stopping_for: int | None = None  # the node whose end stopped the others
         self._ended: dict[int, float] = {}
         self._lost: dict[int, str] = {}
-        self.attempts: list[Attempt] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name=f"nbshard-nodes-{run_dir.path.name}", daemon=True)
         self._thread.start()
@@ -110,27 +110,30 @@ class NodeGroup:
 
     def _supervise(self) -> None:
         try:
-            restart_count = 0
-            while True:
-                outcome = self._run_attempt()
-                if not self._may_restart(outcome):
-                    break
-                self._send({"kind": "event", "event": "note", "text": self._set_aside(outcome, restart_count)})
-                restart_count += 1
-                for node in self.nodes:
-                    with contextlib.suppress(Exception):
-                        node.close()
-                self.nodes = self._relaunch(restart_count)
-                self._stopping_for, self._ended, self._lost = None, {}, {}
-                if self._asked is not None:  # a cancel that came while the nodes restarted
-                    self.request(self._asked)
-            outcome.attempts = self.attempts
+            outcome = self._policy.run(
+                self._run_attempt, 0, final=lambda: self._asked is not None, restarting=self._restart,
+                also=[self._run_dir.path / "nodes"],  # the failed attempt's node directories
+            )
             outcome.write(self._run_dir.outcome)
             self._send({"kind": "end", "status": outcome.status, "storage_error": outcome.storage_error})
         finally:
             self._done.set()
 
-    def _run_attempt(self) -> RunOutcome:
+    def _restart(self, text: str, restart_count: int) -> None:
+        self._send({"kind": "event", "event": "note", "text": text})
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.close()
+        self.nodes = self._relaunch(restart_count)
+        self._stopping_for, self._ended, self._lost = None, {}, {}
+        if self._asked is not None:  # a cancel that came while the nodes restarted
+            self.request(self._asked)
+
+    def _mark_log(self, rank: int, text: str) -> None:
+        with contextlib.suppress(OSError):
+            append_home(self._run_dir, self._run_dir.log(rank).name, text.encode())
+
+    def _run_attempt(self, restart_count: int) -> tuple[RunOutcome, int]:
         """Supervise the nodes until each has ended; their files home, their outcomes merged."""
         while len(self._ended) < len(self.nodes):
             for index, node in enumerate(self.nodes):
@@ -143,30 +146,7 @@ class NodeGroup:
         return merge_outcomes(
             [None if i in self._lost else node.outcome() for i, node in enumerate(self.nodes)],
             self._lost, self._ended, self._nproc_per_node, cancelled=self._asked is not None and self._stopping_for is None,
-        )
-
-    def _may_restart(self, outcome: RunOutcome) -> bool:
-        return (
-            outcome.status is Status.FAILED and self._asked is None and not outcome.storage_error
-            and self._relaunch is not None and len(self.attempts) < self._max_restarts
-        )
-
-    def _set_aside(self, outcome: RunOutcome, restart_count: int) -> str:
-        """Keep the failed attempt's files (the nodes' directories too) and say why it failed."""
-        from nbshard import attempts
-
-        folder = attempts.set_aside(self._run_dir, (entry.rank for entry in outcome.ranks), restart_count)
-        with contextlib.suppress(OSError):
-            os.replace(self._run_dir.path / "nodes", folder / "nodes")
-        if outcome.lost_nodes:
-            rank, why = None, "because " + "; ".join(f"node {node} was lost: {text}" for node, text in outcome.lost_nodes.items())
-        else:
-            rank, why = attempts.first_cause(folder, outcome.ranks)
-        text = attempts.record(self.attempts, rank, why, folder, "every node", self._max_restarts, restart_count)
-        for entry in outcome.ranks:
-            with contextlib.suppress(OSError):
-                append_home(self._run_dir, self._run_dir.log(entry.rank).name, f"\n[nbshard] {text}\n".encode())
-        return text
+        ), restart_count
 
     def _send(self, message: dict[str, Any]) -> None:
         """One message to the kernel's socket, signed with the run's key."""

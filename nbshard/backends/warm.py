@@ -66,7 +66,7 @@ class WarmProcess:
         try:
             with open_private(self.log, "wb") as log:
                 self._popen = subprocess.Popen(
-                    [sys.executable, "-m", "nbshard.forkserver", str(self.directory), *[""] * _COMMAND_LINE_ROOM],
+                    [sys.executable, "-m", "nbshard.process.forkserver", str(self.directory), *[""] * _COMMAND_LINE_ROOM],
                     stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, pass_fds=(alive,),
                     env={**env, _NVML_CHECK: env.get(_NVML_CHECK, "1")}, start_new_session=True,
                 )

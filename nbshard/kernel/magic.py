@@ -17,14 +17,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbshard.cell import free_names, run_cell
-from nbshard.client import submit
+from nbshard.kernel.cell import free_names, run_cell
+from nbshard.kernel.client import submit
 from nbshard.errors import short_traceback
-from nbshard.handle import JobHandle
+from nbshard.kernel.handle import JobHandle
 from nbshard.job import Job
-from nbshard.persistent import Session, session, sessions
-from nbshard.pickling import describe_unpicklable, find_unpicklable
-from nbshard.session_rank import is_notebook_code
+from nbshard.kernel.persistent import Session, session, sessions
+from nbshard.pickling import describe_unpicklable, find_unpicklable, is_notebook_code
 
 __all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
 

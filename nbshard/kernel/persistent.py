@@ -23,14 +23,13 @@ from typing import Any
 
 from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
-from nbshard.display import render_html
+from nbshard.kernel.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
 from nbshard.files import OpenedDir, mkdir_private, write_atomic
-from nbshard.handle import JobHandle
+from nbshard.kernel.handle import JobHandle
 from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
-from nbshard.session_rank import NAMES_FILE
-from nbshard.telemetry import Telemetry, read_metrics_files
+from nbshard.kernel.telemetry import Telemetry, read_metrics_files
 
 __all__ = ["Session", "SessionBusy", "session", "sessions"]
 
@@ -108,8 +107,8 @@ class CallHandle(JobHandle):
         # The call's log_metrics records, from the session's files: all are there when it ends (each
         # is written before it is sent, and before the rank answers); the wire may bring some later.
         self._all_metrics = read_metrics_files(self._session._metrics_files(), self._metrics_from)
-        if files.exists(self._paths.path / NAMES_FILE):
-            self._session._names = set(files.read_json(self._paths.path / NAMES_FILE))
+        if files.exists(self._paths.names):
+            self._session._names = set(files.read_json(self._paths.names))
         return value, self._session._call_error(outcome, error, str(self.run_dir))
 
     def _interrupted(self) -> BaseException:
@@ -135,7 +134,7 @@ class Session:
         self._start()
 
     def _start(self) -> None:
-        from nbshard.client import launch  # the client imports this module
+        from nbshard.kernel.client import launch  # the client imports this module
 
         placeholder = Job(print, name=f"session-{self.name}", **self._options)
         self.world_size, self._paths, self._launcher, self._receiver = launch(

@@ -20,11 +20,11 @@ from typing import Any
 
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_json
+from nbshard.pickling import is_notebook_code
 from nbshard.job import RunDir
 
-__all__ = ["NAMES_FILE", "PIPES_ENV", "collectives_issued", "in_session", "is_notebook_code", "serve"]
+__all__ = ["PIPES_ENV", "collectives_issued", "in_session", "serve"]
 
-NAMES_FILE = "names.json"  # in a call's directory: the names rank 0's namespace holds after it
 PIPES_ENV = "NBSHARD_SESSION_FDS"  # "READ,WRITE": this rank's ends of its two pipes to the launcher
 
 
@@ -56,9 +56,6 @@ def collectives_issued() -> int | None:
         return None
 
 
-def is_notebook_code(value: Any) -> bool:
-    """A function or class defined in the notebook: code the person edits, shipped fresh each call."""
-    return isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__"
 
 
 def in_session(fn: Any, namespace: dict[str, Any]) -> dict[str, Any] | None:
@@ -119,7 +116,8 @@ def _verified(path: Path, digest: str) -> bytes | None:
 
 def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
     """Answer the launcher's calls until it closes the session; returns the exit code."""
-    from nbshard import monitor, worker
+    from nbshard.process import calls
+    from nbshard.rank import monitor
 
     read_fd, write_fd = (int(fd) for fd in os.environ.pop(PIPES_ENV).split(","))
     for fd in (read_fd, write_fd):
@@ -136,7 +134,7 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
         try:
             if _State.pending or commands.interrupted(call):
                 raise KeyboardInterrupt
-            return worker.call_job(fn, args, kwargs)
+            return calls.call_job(fn, args, kwargs)
         except KeyboardInterrupt:
             _State.interrupted = True
             raise
@@ -153,15 +151,15 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
         signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
         payload = _verified(paths.job, digest)
         if payload is None:
-            worker.write_error(paths, rank, ValueError(f"the job file {paths.job} is not the one the kernel wrote"))
+            calls.write_error(paths, rank, ValueError(f"the job file {paths.job} is not the one the kernel wrote"))
             status = "error"
         else:
-            code = worker.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session,
+            code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session,
                                   keep=lambda name, value: not is_notebook_code(value))
             status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
         _State.assigned = False
         if rank == 0:
-            write_json(paths.path / NAMES_FILE, sorted(name for name in namespace if not name.startswith("__")))
+            write_json(paths.names, sorted(name for name in namespace if not name.startswith("__")))
         count = collectives_issued()
         monitor.send_sample()  # before the answer: the call's summary shows what the rank holds after it
         os.write(write_fd, f"{call} {status} {'-' if count is None else count}\n".encode())

@@ -1,4 +1,7 @@
-"""The launcher of a persistent session: the ranks stay up, and run call after call.
+"""A persistent session's launcher: the ranks stay up, and run call after call.
+
+Its ``RankGroup`` starts and streams the ranks as a job's launcher's does (composition: this is
+that group's ``Driver``); what differs is here.
 
 The kernel writes one line per command on the launcher's stdin (a pipe only it
 holds): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``. The
@@ -21,26 +24,31 @@ import signal
 import time
 from typing import Any
 
-from nbshard.contracts import RankOutcome, RunOutcome, Status
+from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import likely_cause, signal_name
 from nbshard.files import open_private
 from nbshard.job import RunDir
-from nbshard.launcher import FAILURE_GRACE, Launcher, Rank
+from nbshard.process.launcher import FAILURE_GRACE
+from nbshard.process.rank_group import RankGroup
+from nbshard.process.rank_process import Rank
 from nbshard.ports import pick_port
-from nbshard.session_rank import PIPES_ENV
+from nbshard.process.session_rank import PIPES_ENV
 
 __all__ = ["SessionLauncher"]
 
 REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, rank)
 
 
-class SessionLauncher(Launcher):
-    def __init__(self, run_dir: RunDir, **options: Any) -> None:
-        super().__init__(run_dir, **options)
+class SessionLauncher:
+    """Runs the kernel's calls on this node's ranks, which stay up between them."""
+
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> None:
+        self.run_dir, self.spec = run_dir, spec
+        self.group = RankGroup(run_dir, spec, self, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
         self.grace = float(self.spec.interrupt_grace)
         self.commands: dict[int, int] = {}  # rank -> the write end of its command pipe
         self.answers: dict[int, bytes] = {}  # rank -> an unfinished answer line
-        self.kernel_input = b""
+        self.kernel_pending = b""
         self.call: str | None = None
         self.call_dir: RunDir | None = None
         self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
@@ -53,30 +61,29 @@ class SessionLauncher(Launcher):
 
     # -- ranks and their pipes --------------------------------------------
 
-    def start_rank(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> Any:
+    def start_rank(self, env: dict[str, str]) -> Any:
         rank = int(env["RANK"])
         command_read, command_write = os.pipe()
         answer_read, answer_write = os.pipe()
         try:
-            popen = super().start_rank({**env, PIPES_ENV: f"{command_read},{answer_write}"}, (command_read, answer_write))
+            popen = self.group.start_process({**env, PIPES_ENV: f"{command_read},{answer_write}"}, (command_read, answer_write))
         finally:
             os.close(command_read)
             os.close(answer_write)
         self.commands[rank] = command_write
         self.answers[rank] = b""
         os.set_blocking(answer_read, False)
-        self.selector.register(answer_read, selectors.EVENT_READ, (REPLIED, rank))
+        self.group.selector.register(answer_read, selectors.EVENT_READ, (REPLIED, rank))
         return popen
 
-    def on_marked(self, fd: int, mark: str, target: Any) -> None:
-        if mark != REPLIED:
-            return super().on_marked(fd, mark, target)
+    def marked(self, fd: int, mark: str, target: Any) -> None:
+        """A rank's answer pipe (the only other mark) is readable."""
         try:
             data = os.read(fd, 4096)
         except BlockingIOError:
             return
         if not data:
-            self.selector.unregister(fd)
+            self.group.selector.unregister(fd)
             os.close(fd)
             return
         *lines, self.answers[target] = (self.answers[target] + data).split(b"\n")
@@ -90,20 +97,20 @@ class SessionLauncher(Launcher):
                 self.answered(target, status)
 
     def rank_ended(self, proc: Rank) -> None:
-        if self.stop_reason is None:
+        if self.group.stop_reason is None:
             how = (f"was killed by {signal_name(-proc.returncode)} ({likely_cause(signal_name(-proc.returncode))})"
                    if proc.returncode < 0 else f"exited with code {proc.returncode}")
             self.lose(f"rank {proc.rank} {how}", rank=proc.rank)
 
     # -- the kernel's commands ----------------------------------------------
 
-    def read_kernel_input(self, fd: int) -> None:
+    def kernel_input(self, fd: int) -> None:
         data = os.read(fd, 4096)
         if not data:
-            self.selector.unregister(fd)
-            self.kernel_gone()
+            self.group.selector.unregister(fd)
+            self.group.kernel_gone()
             return
-        *lines, self.kernel_input = (self.kernel_input + data).split(b"\n")
+        *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
         for line in lines:
             command, *words = line.decode().split()
             if command == "run":
@@ -116,12 +123,12 @@ class SessionLauncher(Launcher):
                 self.close_session()
 
     def begin_call(self, call: str, digest: str, timeout: float, return_all: str) -> None:
-        if self.call is not None or self.stop_reason is not None:
+        if self.call is not None or self.group.stop_reason is not None:
             return  # the kernel sends one call at a time, and none to a session it knows is ending
         self.call, self.call_dir = call, RunDir(self.run_dir.path / "calls" / call)
         self.replies, self.call_stopped, self.leave_by = {}, None, float("inf")
         self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
-        for proc in self.ranks:
+        for proc in self.group.ranks:
             self.session_logs[proc.rank] = proc.log
             proc.log = open_private(self.call_dir.log(proc.rank), "ab", buffering=0)  # noqa: SIM115 - closed in end_call
         for rank, fd in self.commands.items():
@@ -132,7 +139,7 @@ class SessionLauncher(Launcher):
         period are stuck (in a collective or in C code), and the session is lost."""
         if self.call_stopped is None:
             self.call_stopped = status
-            for proc in self.ranks:
+            for proc in self.group.ranks:
                 if proc.rank not in self.replies:
                     with contextlib.suppress(OSError):
                         os.write(self.commands[proc.rank], f"interrupt {self.call}\n".encode())
@@ -142,7 +149,7 @@ class SessionLauncher(Launcher):
             self.waiting_on = f"within {self.grace:g} s of {what}"
 
     def answered(self, rank: int, status: str) -> None:
-        if len(self.replies) == len(self.ranks):
+        if len(self.replies) == len(self.group.ranks):
             self.end_call()
         elif status == "error" and self.leave_by == float("inf"):
             # The others may still finish their work, or wait in a collective for this rank forever.
@@ -152,11 +159,11 @@ class SessionLauncher(Launcher):
     def close_session(self) -> None:
         """Close the ranks' command pipes: each leaves its loop and exits as a script would
         (atexit, process groups torn down); SIGTERM after the grace period, then SIGKILL."""
-        if self.stop_reason is None:
-            self.stop_reason = Status.CLOSED
-            self.send({"kind": "event", "event": "stopping", "reason": Status.CLOSED})
-            self.term_at = time.monotonic() + self.grace
-            self.kill_at = self.term_at + self.spec.grace
+        if self.group.stop_reason is None:
+            self.group.stop_reason = Status.CLOSED
+            self.group.send({"kind": "event", "event": "stopping", "reason": Status.CLOSED})
+            self.group.term_at = time.monotonic() + self.grace
+            self.group.kill_at = self.group.term_at + self.spec.grace
         self.close_commands()
 
     def close_commands(self) -> None:
@@ -166,21 +173,20 @@ class SessionLauncher(Launcher):
         self.commands = {}
 
     def lose(self, why: str, rank: int | None = None, stacks: bool = True) -> None:
-        if self.stop_reason is None:
-            self.lost_why, self.first_failure = why, rank
-            self.note(f"the session is lost: {why}; stopping its ranks")
-            self.request_stop(Status.LOST, stacks=stacks, grace=FAILURE_GRACE)
+        if self.group.stop_reason is None:
+            self.lost_why, self.group.first_failure = why, rank
+            self.group.note(f"the session is lost: {why}; stopping its ranks")
+            self.group.request_stop(Status.LOST, stacks=stacks, grace=FAILURE_GRACE)
 
     # -- timers ----------------------------------------------------------------
 
-    def advance_stop(self, now: float) -> None:
-        if self.call is not None and self.stop_reason is None:
+    def tick(self, now: float) -> None:
+        if self.call is not None and self.group.stop_reason is None:
             if now >= self.call_deadline:
                 self.stop_call(Status.TIMED_OUT, "the call's timeout")
             if now >= self.leave_by:
-                stuck = [p.rank for p in self.ranks if p.rank not in self.replies]
+                stuck = [p.rank for p in self.group.ranks if p.rank not in self.replies]
                 self.lose(f"rank{'s' * (len(stuck) > 1)} {', '.join(map(str, stuck))} did not leave the call {self.waiting_on}")
-        super().advance_stop(now)
 
     # -- a call's end ------------------------------------------------------------
 
@@ -188,7 +194,7 @@ class SessionLauncher(Launcher):
         """Every rank answered: the call's outcome, unless the ranks no longer agree on how many
         collectives they issued (the next one would hang or pair the wrong tensors)."""
         counts = {rank: reply[1] for rank, reply in sorted(self.replies.items())}
-        if len(set(counts.values())) > 1 and self.stop_reason is None:
+        if len(set(counts.values())) > 1 and self.group.stop_reason is None:
             issued = ", ".join(f"rank {rank}: {'none' if n is None else n}" for rank, n in counts.items())
             self.lose(f"the ranks no longer agree on the collectives they issued ({issued}), so the next one would hang or pair the wrong tensors")
             return
@@ -203,20 +209,20 @@ class SessionLauncher(Launcher):
     def finish_call(self, status: Status, diverged: bool = False) -> None:
         assert self.call_dir is not None
         now = time.time()
-        for proc in self.ranks:  # what a rank printed before it answered belongs to the call
+        for proc in self.group.ranks:  # what a rank printed before it answered belongs to the call
             for fd in list(proc.open_fds):
                 while fd in proc.open_fds and select.select([fd], [], [], 0)[0]:
-                    self.read_output(proc, fd, now)
-            self.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
+                    self.group.read_output(proc, fd, now)
+            self.group.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
         errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
         RunOutcome(
             status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
-            storage_error=self.storage_error,
-            first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.first_failure,
-            ranks=[self.rank_outcome(proc) for proc in self.ranks],
+            storage_error=self.group.storage_error,
+            first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.group.first_failure,
+            ranks=[self.rank_outcome(proc) for proc in self.group.ranks],
         ).write(self.call_dir.outcome)
-        self.send({"kind": "end", "status": status, "storage_error": self.storage_error})
-        for proc in self.ranks:
+        self.group.send({"kind": "end", "status": status, "storage_error": self.group.storage_error})
+        for proc in self.group.ranks:
             proc.log.close()
             proc.log = self.session_logs.pop(proc.rank)
         self.call = self.call_dir = None
@@ -229,24 +235,22 @@ class SessionLauncher(Launcher):
             ok = reply[0] == "ok" and self.call_dir.result(proc.rank).exists()
             return RankOutcome(proc.rank, 0 if ok else 1, ok, reply[2], stopped=reply[0] == "interrupted")
         return RankOutcome(proc.rank, proc.returncode, False, proc.ended_at or time.time(),
-                           stopped=proc.rank != self.first_failure, stacks=proc.stacks)
+                           stopped=proc.rank != self.group.first_failure, stacks=proc.stacks)
 
-    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
+    def tag(self, message: dict[str, Any]) -> dict[str, Any]:
         """Lines, events and a call's end carry the call they belong to."""
-        if self.call is not None:
-            message = {**message, "call": self.call}
-        super().send(message, rank, lines, wait)
+        return {**message, "call": self.call} if self.call is not None else message
 
     # -- the whole session -------------------------------------------------------
 
     def run(self) -> RunOutcome:
         port = pick_port(self.spec.master_port)
-        if self.stop_reason is None:
-            self.start_ranks(port, 0)
-            self.supervise(float("inf"))
+        if self.group.stop_reason is None:
+            self.group.start_ranks(port, 0)
+            self.group.supervise()
         if self.call is not None:  # the session ended during a call: the call ends with it
-            self.finish_call(self.stop_reason or Status.LOST)
+            self.finish_call(self.group.stop_reason or Status.LOST)
         self.close_commands()
-        outcome = self.outcome(port)
+        outcome = self.group.outcome(port)
         outcome.reason = self.lost_why
         return outcome

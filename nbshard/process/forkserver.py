@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.files import write_json
-from nbshard.forking import fork_fresh
+from nbshard.process.forking import fork_fresh
 
 __all__ = ["MAX_REQUEST_BYTES", "main"]
 
@@ -41,8 +41,7 @@ SOCKET_NAME = "socket"
 STATUS_NAME = "status.json"
 KERNEL_PIDFD_IN_LAUNCHER = 3
 _ALWAYS = (
-    "nbshard.launcher", "nbshard.worker", "nbshard.pickling", "nbshard.monitor", "nbshard.cell",
-    "nbshard.session_launcher", "nbshard.session_rank",
+    "nbshard.process.entry", "nbshard.process.worker", "nbshard.pickling", "nbshard.rank.monitor", "nbshard.kernel.cell",
 )
 
 
@@ -195,10 +194,10 @@ class WarmServer:
         if changed is not None:
             return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
         run_dir, env, cwd = str(request["run_dir"]), dict(request["env"]), str(request["cwd"])
-        from nbshard import launcher
+        from nbshard.process import entry
 
         child = fork_fresh(
-            lambda: launcher.main(run_dir, kernel_pidfd=KERNEL_PIDFD_IN_LAUNCHER, fork_ranks=True),
+            lambda: entry.main(run_dir, kernel_pidfd=KERNEL_PIDFD_IN_LAUNCHER, fork_ranks=True),
             module="nbshard.launcher", run_dir=run_dir, env=env, cwd=cwd, stdio=fds,
             keep={KERNEL_PIDFD_IN_LAUNCHER: self.kernel_pidfd}, new_session=True,
         )

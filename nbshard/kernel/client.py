@@ -21,12 +21,12 @@ from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
 from nbshard.backends.local import _importable_env
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
-from nbshard.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
-from nbshard.handle import JobHandle, running_jobs
+from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
+from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.leftovers import process_identity
 from nbshard.pickling import dump_job
-from nbshard.runs import new_run_dir
+from nbshard.kernel.runs import new_run_dir
 from nbshard.wire import Receiver, new_key
 
 __all__ = [

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from nbshard.fresh import become_fresh
+from nbshard.process.fresh import become_fresh
 
 __all__ = ["ForkedProcess", "fork_fresh", "fork_rank"]
 
@@ -32,7 +32,7 @@ def fork_fresh(
     main: Callable[[], int], *, module: str, run_dir: str, env: Mapping[str, str], cwd: str,
     stdio: Sequence[int], keep: Mapping[int, int] | None = None, new_session: bool = False,
 ) -> int:
-    """Fork a child that becomes ``python -m module run_dir`` (see nbshard.fresh) and runs
+    """Fork a child that becomes ``python -m module run_dir`` (see nbshard.process.fresh) and runs
     ``main()``; returns its pid. The child never returns from here."""
     pid = os.fork()
     if pid:

@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher
-from nbshard.backlog import LiveBacklog
+from nbshard.kernel.backlog import LiveBacklog
 from nbshard.contracts import Attempt, RunOutcome
-from nbshard.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
+from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
-from nbshard.outcome import collect, read_outcome
-from nbshard.telemetry import Telemetry, read_metrics_files, to_frame
+from nbshard.kernel.outcome import collect, read_outcome
+from nbshard.kernel.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
 
 __all__ = ["JobHandle", "running_jobs"]

@@ -7,7 +7,7 @@ import json
 import threading
 from typing import Any
 
-from nbshard.display import RankView
+from nbshard.kernel.display import RankView
 
 __all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "to_frame"]
 

@@ -1,0 +1,1 @@
+"""The processes nbshard starts: launchers, ranks, the warm process, and their supervision."""

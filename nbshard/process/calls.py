@@ -1,0 +1,150 @@
+"""One call of a job in a rank: load it, run it, write its result or its error file.
+
+A job's rank makes one call (``nbshard.worker``); a session's rank makes one per cell
+(``nbshard.session_rank``). The error file keeps the rank's own frames, not nbshard's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nbshard.files import write_atomic, write_json
+from nbshard.job import RunDir
+
+__all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "write_error"]
+
+NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbshard's code, all sides
+
+
+def _notebook_objects(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Classes and functions of the notebook's ``__main__`` that the job carries."""
+    found: dict[str, Any] = {}
+    if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__":
+        found.update((k, v) for k, v in fn.__globals__.items() if not k.startswith("__"))
+        found[fn.__name__] = fn
+    pending: list[tuple[Any, int]] = [(value, 0) for value in (*args, *kwargs.values())]
+    while pending:
+        value, depth = pending.pop()
+        cls = value if isinstance(value, type) else type(value)
+        if cls.__module__ == "__main__" and "." not in cls.__qualname__:
+            found.setdefault(cls.__qualname__, cls)
+        if depth < 2:
+            if isinstance(value, dict):
+                pending += [(v, depth + 1) for v in value.values()]
+            elif isinstance(value, (list, tuple)):
+                pending += [(v, depth + 1) for v in value[:100]]
+    return found
+
+
+def _install_notebook_main(objects: dict[str, Any], path: Path, keep: Callable[[str, Any], bool] | None = None) -> None:
+    """Put the notebook's names on this process's ``__main__``.
+
+    Code that pickles by reference (``torch.save(model)``, DataLoader workers)
+    looks classes up as ``__main__.Name``; here ``__main__`` is this worker, so
+    the notebook's classes must be found on it. Spawn-started children re-import
+    this module as ``__mp_main__`` and load the same names from ``path``. ``keep(name, value)``:
+    whether ``__main__``'s own value of a name stays (a session's names win over the notebook's).
+    """
+    main = vars(sys.modules["__main__"])
+    main.update((k, v) for k, v in objects.items() if keep is None or k not in main or not keep(k, v))
+    shippable = {k: v for k, v in objects.items() if getattr(v, "__module__", None) == "__main__"}
+    if shippable:
+        from nbshard.pickling import dump_result
+
+        try:
+            write_atomic(path, dump_result(shippable))
+            os.environ[NOTEBOOK_MAIN_ENV] = str(path)
+        except Exception:  # noqa: BLE001 - only spawn children would miss them
+            pass
+
+
+def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
+    frames = []
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(tb)]
+    for frame, code in zip(traceback.extract_tb(tb), codes):
+        entry: dict[str, Any] = {
+            "filename": frame.filename, "lineno": frame.lineno, "name": frame.name,
+            "firstlineno": code.co_firstlineno,  # where its function starts, for tracebacks that show it whole
+        }
+        if getattr(frame, "end_lineno", None) == frame.lineno and frame.colno is not None:
+            entry.update(colno=frame.colno, end_colno=frame.end_colno)
+        frames.append(entry)
+    return frames
+
+
+def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback without nbshard's leading frames, which only called the user's code."""
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
+
+
+def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
+    """The error file; the launcher copies its traceback into the rank's log (the kernel
+    shows it as a traceback of its own, so it is not streamed as lines too)."""
+    tb = _user_traceback(error.__traceback__)
+    text = "".join(traceback.format_exception(type(error), error, tb)) + (f"{hint}\n" if hint else "")
+    cls = type(error)
+    write_json(
+        run_dir.error(rank),
+        {
+            "rank": rank,
+            "time": time.time(),
+            "exc_type": f"{cls.__module__}.{cls.__qualname__}",
+            "message": str(error),
+            "frames": _frames(tb),
+            "traceback": text,
+            "notes": [*getattr(error, "__notes__", ()), *([hint] if hint else [])],
+        },
+    )
+
+
+def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The user's function; its frame in a stack dump tells that the rank had started it."""
+    return fn(*args, **kwargs)
+
+
+def run_job(
+    paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, call: Callable[..., Any] = call_job,
+    keep: Callable[[str, Any], bool] | None = None,
+) -> int:
+    """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
+    for this rank; returns the rank's exit code. A session runs each of its calls this way
+    (``keep``: which of its names the notebook's do not replace)."""
+    from nbshard.pickling import write_result
+
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+    except Exception as error:
+        write_error(paths, rank, error, hint=(
+            "nbshard could not load the job in this rank: it refers by name to something not "
+            "importable here. Install it in this Python environment, make it importable from the "
+            "job's cwd, or pass pickle_by_value=[module]."
+        ))
+        return 1
+    _install_notebook_main(_notebook_objects(fn, args, kwargs), paths.notebook_main(rank), keep)
+    try:
+        value = call(fn, args, kwargs)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            write_error(paths, rank, stop)
+            return stop.code if isinstance(stop.code, int) else 1
+        value = None
+    except BaseException as error:  # noqa: BLE001 - every failure is reported to the kernel
+        write_error(paths, rank, error)
+        return 1
+    try:
+        write_result(paths.result(rank), value if keep_result else None)
+    except Exception as error:  # noqa: BLE001
+        write_error(paths, rank, error.with_traceback(None))
+        return 1
+    return 0

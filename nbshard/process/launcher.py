@@ -1,0 +1,133 @@
+"""A job's launcher: ``python -m nbshard.launcher RUN_DIR`` (through ``nbshard.process.entry``).
+
+It runs outside the kernel, in its own session, and imports no torch. Its ``RankGroup``
+starts the ranks and streams their output; this module decides what their ends mean: the
+first failure stops every rank, a cancel (a byte from the kernel) or the timeout stops them
+with their stacks, and a failure with ``max_restarts`` left starts them again
+(``RestartPolicy``). A rendezvous port taken by another program before rank 0 could listen on
+it is retried on another port. It writes ``outcome.json`` last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from typing import Any
+
+from nbshard.contracts import LaunchSpec, RunOutcome, Status
+from nbshard.errors import start_failure
+from nbshard.files import read_json
+from nbshard.job import CANCEL, KILL, RunDir
+from nbshard.ports import pick_port
+from nbshard.process.forking import ForkedProcess
+from nbshard.process.rank_group import RankGroup
+from nbshard.process.rank_process import Rank
+from nbshard.process.supervision import RestartPolicy
+
+__all__ = ["FAILURE_GRACE", "JobLauncher"]
+
+FAILURE_GRACE = 1.0  # SIGTERM to SIGKILL for ranks stopped because another failed
+PORT_ATTEMPTS = 3
+
+
+class JobLauncher:
+    """Runs the job in ``run_dir`` on this node's ranks, attempt after attempt."""
+
+    def __init__(self, run_dir: RunDir, spec: LaunchSpec, *, kernel_pidfd: int | None = None, fork_ranks: bool = False) -> None:
+        self.run_dir, self.spec = run_dir, spec
+        self.group = RankGroup(run_dir, spec, self, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
+        self.deadline = float("inf")
+        # With several nodes, the kernel's NodeGroup restarts every node: a node never restarts alone.
+        self.policy = RestartPolicy(run_dir, spec.max_restarts if spec.nnodes == 1 else 0, "every rank", self._mark_log)
+
+    # -- the Driver's events ----------------------------------------------------
+
+    def start_rank(self, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess:
+        return self.group.start_process(env)
+
+    def kernel_input(self, fd: int) -> None:
+        data = os.read(fd, 64)
+        if not data:  # the kernel is gone: nobody is waiting for this run
+            self.group.selector.unregister(fd)
+            self.group.kernel_gone()
+        elif KILL in data:
+            self.group.final = True
+            self.group.request_stop(Status.CANCELLED, stacks=False, grace=0)
+        elif CANCEL in data:
+            self.group.final = True
+            self.group.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
+
+    def rank_ended(self, proc: Rank) -> None:
+        """A rank returned, or its failure (the first) stops the others."""
+        group = self.group
+        proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
+        group.log_error(proc)
+        if not proc.ok and group.stop_reason is None:
+            group.first_failure = proc.rank
+            group.request_stop(Status.FAILED, stacks=False, grace=FAILURE_GRACE)
+
+    def marked(self, fd: int, mark: str, target: Any) -> None:
+        pass  # a job's ranks have no other channel
+
+    def tick(self, now: float) -> None:
+        if now >= self.deadline and self.group.stop_reason is None:
+            self.group.request_stop(Status.TIMED_OUT, stacks=True, grace=self.spec.grace)
+
+    def tag(self, message: dict[str, Any]) -> dict[str, Any]:
+        return message
+
+    # -- attempts ----------------------------------------------------------------
+
+    def run(self) -> RunOutcome:
+        if self.spec.timeout:
+            self.deadline = time.monotonic() + self.spec.timeout
+        if self.group.stop_reason is not None:  # the kernel was gone before any rank started
+            return self.group.outcome(self.spec.master_port or 0)
+        return self.policy.run(
+            self.run_attempt, self.spec.restart_count,
+            final=lambda: self.group.final or not self.group.kernel_alive(), restarting=self._restarting,
+        )
+
+    def run_attempt(self, restart_count: int) -> tuple[RunOutcome, int]:
+        """Start the ranks and supervise them to their end; retry a rendezvous port taken by another
+        program (on one node: with several, the port is node 0's, chosen for every node), with
+        the next restart count, as torchrun's agent starts a new round. Returns the outcome and
+        the restart count the ranks last started with."""
+        one_node = self.spec.nnodes == 1
+        port = pick_port(self.spec.master_port) if one_node else self.spec.master_port
+        for retry in range(PORT_ATTEMPTS):
+            if retry:
+                restart_count += 1
+            try:
+                self.group.start_ranks(port, restart_count)
+            except OSError as error:  # a restart would meet the same limit
+                started = len(self.group.ranks)
+                self.group.start_error = start_failure(error, self.spec.first_rank() + started, started, self.spec.nproc_per_node)
+                self.group.final = True
+                self.group.stop_started_ranks()
+            self.group.supervise()
+            if not (one_node and retry + 1 < PORT_ATTEMPTS and self._port_was_taken()):
+                return self.group.outcome(port), restart_count
+            self.group.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
+            port = pick_port(None)
+            self.group.reset()
+        raise AssertionError("not reached")  # the last retry returns
+
+    def _restarting(self, text: str, restart_count: int) -> None:
+        self.group.note(text)
+        self.group.reset()
+
+    def _mark_log(self, rank: int, text: str) -> None:
+        for proc in self.group.ranks:
+            if proc.rank == rank:
+                self.group.to_log(proc, text.encode())
+
+    def _port_was_taken(self) -> bool:
+        if self.group.first_failure != 0 or not self.run_dir.error(0).exists():
+            return False
+        with contextlib.suppress(OSError, ValueError):
+            message = read_json(self.run_dir.error(0)).get("message", "")
+            return "EADDRINUSE" in message or "address already in use" in message.lower()
+        return False

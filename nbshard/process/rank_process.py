@@ -1,0 +1,63 @@
+"""One rank process as its launcher sees it: the process, its two pipes, its log, how it ended."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+from nbshard.files import open_private
+from nbshard.process.forking import ForkedProcess
+from nbshard.process.lines import LineSplitter
+
+__all__ = ["Rank"]
+
+
+class Rank:
+    """One rank process, its pipes and its log."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes] | ForkedProcess, log_path: Path) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.log = open_private(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
+        self.pipes = (popen.stdout, popen.stderr)
+        self.splitters = {pipe.fileno(): LineSplitter(name) for pipe, name in zip(self.pipes, ("out", "err"))}
+        self.open_fds = set(self.splitters)
+        self.returncode: int | None = None
+        self.ended_at = 0.0
+        self.ok = False
+        self.stopped = False
+        self.stacks_asked = False
+        self.stacks = ""
+        self.pidfd: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.returncode is None
+
+    def catches(self, signum: int) -> bool:
+        """Whether the rank handles ``signum`` yet: its kernel-side mask of caught signals.
+        A rank still starting Python has the default action, which for SIGUSR1 kills."""
+        try:
+            with open(f"/proc/{self.popen.pid}/status") as status:
+                caught = next(line for line in status if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            return False
+        return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+    def signal(self, signum: int) -> None:
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signum)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.close()
+        self.close_pidfd()
+        self.log.close()
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None

@@ -1,0 +1,131 @@
+"""The entry point of each rank: ``python -m nbshard.worker RUN_DIR`` (a shim that calls ``run_as_main``).
+
+Loads the job, runs the function, writes the outcome (``result-R.pkl`` or
+``error-R.json``) atomically, then ends the process with ``os._exit`` after
+running ``atexit`` handlers and flushing, because gloo ranks otherwise abort
+at interpreter exit now and then ("terminate called without an active
+exception") after the user's code has finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from nbshard.rank import monitor
+from nbshard.contracts import LaunchSpec
+from nbshard.process.calls import NOTEBOOK_MAIN_ENV, run_job
+from nbshard.files import open_private
+from nbshard.process.fresh import MAIN_NAMES
+from nbshard.job import RunDir
+from nbshard.stacks import MAIN_THREAD_HEADER
+
+__all__ = ["main", "restore_notebook_main", "run_as_main", "run_forked"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this rank when the launcher dies, however it dies."""
+    launcher = int(os.environ.get("NBSHARD_LAUNCHER_PID", "0"))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if launcher and os.getppid() != launcher:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _dump_stacks_on_request(path: Path) -> None:
+    """On SIGUSR1 (the launcher stopping the job), write every thread's stack to ``path``.
+
+    faulthandler writes from its C signal handler, so a rank stuck in a
+    collective or in C code still answers. The stacks go to a file of their
+    own, not to stderr: the cell shows a short summary, the log the whole dump.
+    """
+    stacks = open_private(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
+    stacks.write(f"{MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
+    stacks.flush()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+
+def _use_kernel_path(kernel_path: list[str]) -> None:
+    """Make the notebook's import path (helper modules, sys.path edits) the rank's too."""
+    missing = [entry for entry in kernel_path if entry not in sys.path]
+    sys.path[:0] = missing
+
+
+def _start_monitor(run_dir: RunDir, rank: int, launch: LaunchSpec) -> None:
+    try:
+        monitor.start(launch.address, run_dir.key.read_bytes(), rank, launch.sample_interval, str(run_dir.metrics(rank)))
+    except Exception as error:  # noqa: BLE001 - telemetry must never fail a job
+        print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
+
+
+def _run(run_dir: RunDir, rank: int) -> int:
+    launch = LaunchSpec.read(run_dir.launch)
+    _use_kernel_path(launch.sys_path)
+    _start_monitor(run_dir, rank, launch)
+    if launch.session:
+        from nbshard.process import session_rank
+
+        return session_rank.serve(run_dir, rank, launch)
+    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all)
+
+
+def _exit(code: int) -> None:
+    """Run atexit handlers, flush, and leave without the interpreter's teardown."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream cannot be helped
+            pass
+    os._exit(code)
+
+
+def main(run_dir: str) -> int:
+    """Run this rank of the job in ``run_dir``; returns the exit code (tests call it in-process)."""
+    paths = RunDir(Path(run_dir))
+    rank = int(os.environ["RANK"])
+    # What an interactive Python has: code that parses the command line (litgpt's
+    # save_hyperparameters, argparse defaults) sees no nbshard paths. ps still shows them.
+    sys.argv = [""]
+    _die_with_launcher()
+    _dump_stacks_on_request(paths.stacks(rank))
+    try:
+        return _run(paths, rank)
+    finally:
+        monitor.stop()
+
+
+def run_as_main(namespace: dict[str, Any]) -> None:
+    """``python -m nbshard.worker RUN_DIR``: run the rank from the importable copy of
+    this module, with ``__main__`` emptied of this module's names (as a warm rank's is),
+    so it holds the notebook's names (and a cell's) alone."""
+    for name in [name for name in namespace if name not in MAIN_NAMES]:
+        del namespace[name]
+    namespace["__doc__"] = None
+    _exit(main(sys.argv[1]))
+
+
+def run_forked(run_dir: str) -> int:
+    """A rank forked from a warm launcher: its ``__main__`` is already fresh (nbshard.process.fresh),
+    and its memory is shown as its proportional share (PSS): it shares torch's pages."""
+    monitor.count_proportional_memory()
+    _exit(main(run_dir))
+    return 1  # not reached: _exit ends the process
+
+
+def restore_notebook_main(namespace: dict[str, Any]) -> None:
+    """In a spawn-started child of a rank (a DataLoader worker), which re-imports the rank's
+    ``__main__`` as ``__mp_main__``: the notebook's names, as the rank had them."""
+    path = os.environ.get(NOTEBOOK_MAIN_ENV)
+    if path:
+        namespace.update(pickle.loads(Path(path).read_bytes()))

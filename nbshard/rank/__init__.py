@@ -1,0 +1,1 @@
+"""What a person calls inside a rank: process groups, devices, sharded building, checkpoints."""
