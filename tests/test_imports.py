@@ -97,6 +97,9 @@ def test_import_nbshard_imports_no_torch():
 def test_the_kernel_side_never_imports_the_launcher_or_worker_modules():
     # `python -m nbshard.launcher` would otherwise run a second copy of an already imported module
     # (runpy's RuntimeWarning at the top of every launcher.log).
-    code = "import sys, nbshard, nbshard.magic; print(sorted(m for m in sys.modules if m in ('nbshard.launcher', 'nbshard.worker')))"
+    code = (
+        "import sys, nbshard, nbshard.kernel.magic; print(sorted(m for m in sys.modules if m in "
+        "('nbshard.launcher', 'nbshard.worker', 'nbshard.process.entry', 'nbshard.process.launcher', 'nbshard.process.worker')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"

@@ -22,7 +22,7 @@ import nbshard  # noqa: E402
 import node_checks  # noqa: E402
 import programs  # noqa: E402
 from conftest import node_launcher, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
-from nbshard.backends.ray import node_environment  # noqa: E402
+from nbshard.backends.relay import node_environment  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import site
 import subprocess
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from nbshard.backends.nodes import NodeGroup, move_rank_files, node_outcome, read_log
+from nbshard.backends.nodes import NodeGroup
+from nbshard.backends.relay import importable_env, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import start_pending_warm, warm_launch
 from nbshard.backends.warm_launcher import WarmLauncher
 from nbshard.contracts import LaunchSpec, RunOutcome
@@ -19,9 +18,7 @@ from nbshard.process.fresh import cold_command
 from nbshard.job import RunDir, rank_environment
 from nbshard.ports import pick_port
 
-__all__ = ["LauncherProcess", "LocalNode", "start_local"]
-
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+__all__ = ["LauncherProcess", "LocalNode", "start_cold", "start_local", "start_node"]
 
 
 class LauncherProcess:
@@ -75,18 +72,7 @@ class LauncherProcess:
         self.end_input()
 
 
-def _importable_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with nbshard importable, also when it runs from a source checkout."""
-    env = dict(env)
-    site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
-    if _PACKAGE_ROOT not in site_dirs:
-        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if _PACKAGE_ROOT not in paths:
-            env["PYTHONPATH"] = os.pathsep.join([*paths, _PACKAGE_ROOT])
-    return env
-
-
-def _start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
+def start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
     with open_private(run_dir.launcher_log, "wb") as log:
         popen = subprocess.Popen(
             cold_command("nbshard.launcher", str(run_dir.path)),
@@ -109,7 +95,7 @@ def start_local(
     spec = LaunchSpec.read(run_dir.launch)
     if spec.nnodes > 1:
         return _start_nodes(run_dir, spec, env, cwd, preload)
-    return _start_node(run_dir, env, cwd, preload)
+    return start_node(run_dir, env, cwd, preload)
 
 
 class LocalNode:
@@ -146,7 +132,7 @@ def _start_nodes(run_dir: RunDir, spec: LaunchSpec, env: Mapping[str, str], cwd:
                 if run_dir.job.exists():
                     os.link(run_dir.job, node_dir.job)
                 spec.replace(node_rank=node_rank, master_port=port, restart_count=restart_count).write(node_dir.launch)
-                nodes.append(LocalNode(_start_node(node_dir, env, cwd, preload), node_dir))
+                nodes.append(LocalNode(start_node(node_dir, env, cwd, preload), node_dir))
         except BaseException:
             for node in nodes:
                 node.kill()
@@ -159,19 +145,19 @@ def _start_nodes(run_dir: RunDir, spec: LaunchSpec, env: Mapping[str, str], cwd:
     return group
 
 
-def _start_node(
+def start_node(
     run_dir: RunDir, env: Mapping[str, str], cwd: str, preload: Sequence[str] | None
 ) -> LauncherProcess | WarmLauncher:
-    env = _importable_env(env)
+    env = importable_env(env)
     if preload is None:
-        return _start_cold(run_dir, env, cwd)
+        return start_cold(run_dir, env, cwd)
     spec = LaunchSpec.read(run_dir.launch)
     rank_env = rank_environment(env, rank=0, nproc=spec.nproc_per_node, master_port=0, run_id="", run_dir=run_dir)
     cwd = os.path.abspath(cwd)
     launched, note = warm_launch(run_dir, env, cwd, preload=preload, rank_env=rank_env)
     if launched is not None:
         return launched
-    launcher = _start_cold(run_dir, env, cwd)
+    launcher = start_cold(run_dir, env, cwd)
     launcher.note = note
     start_pending_warm()
     return launcher

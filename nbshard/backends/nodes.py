@@ -16,21 +16,19 @@ None), ``bring_home(run_dir)`` (move its ranks' files into the kernel's run dire
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import zmq
-
 from nbshard.contracts import RankOutcome, RunOutcome, Status
-from nbshard.job import CANCEL, KILL, RANK_FILES, RunDir
+from nbshard.backends.relay import append_home
+from nbshard.job import CANCEL, KILL, RunDir
 from nbshard.process.supervision import RestartPolicy
 from nbshard.wire import Sender
 
-__all__ = ["APPENDED", "Forwarder", "Node", "NodeGroup", "append_home", "merge_outcomes", "move_rank_files", "node_outcome", "read_log"]
+__all__ = ["Node", "NodeGroup", "merge_outcomes"]
 
 POLL = 0.05
 END_SEND_WAIT = 2.0  # the kernel's own socket: it reads unless it is gone
@@ -216,55 +214,3 @@ def merge_outcomes(
         lines_sent={k: v for o in known for k, v in o.lines_sent.items()},
         ranks=sorted(ranks, key=lambda entry: entry.rank),
     )
-
-
-def move_rank_files(node_dir: RunDir, run_dir: RunDir) -> None:
-    """A node's rank files (on this machine or a shared filesystem) into the run's directory."""
-    for path in node_dir.path.iterdir():
-        if path.name.startswith(RANK_FILES):
-            if path.name.startswith(APPENDED):
-                append_home(run_dir, path.name, path.read_bytes())
-                path.unlink()
-            else:
-                os.replace(path, run_dir.path / path.name)
-
-
-APPENDED = ("rank-", "metrics-")  # a rank's log and metrics hold every attempt of a restarted job
-
-
-def append_home(run_dir: RunDir, name: str, data: bytes) -> None:
-    """Add ``data`` to the run's file ``name`` (made private when it is new)."""
-    fd = os.open(run_dir.path / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-
-
-def read_log(node_dir: RunDir, rank: int) -> bytes:
-    path = node_dir.log(rank)
-    return path.read_bytes() if path.exists() else b""
-
-
-def node_outcome(node_dir: RunDir) -> RunOutcome | None:
-    """A node launcher's outcome, or None when it wrote none."""
-    return RunOutcome.read(node_dir.outcome)
-
-
-class Forwarder:
-    """Puts frames relayed from remote nodes, as they came, on the kernel's own socket
-    (where they are checked against the run's key like local ones)."""
-
-    def __init__(self, address: str) -> None:
-        self._lock = threading.Lock()
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(address)
-
-    def send(self, frames: list[bytes]) -> None:
-        with self._lock, contextlib.suppress(zmq.ZMQError):
-            self._socket.send_multipart(frames)
-
-    def close(self) -> None:
-        with self._lock:
-            self._socket.close()
-            self._context.term()

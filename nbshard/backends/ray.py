@@ -29,22 +29,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import zmq
 
-from nbshard.backends.nodes import APPENDED, Forwarder, NodeGroup, append_home, node_outcome, read_log
+from nbshard.backends.nodes import NodeGroup
+from nbshard.backends.relay import APPENDED, Forwarder, NodeRelay, append_home, node_environment, node_outcome, read_log
 from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, write_atomic
 from nbshard.job import RANK_FILES, RunDir, check_count, check_seconds
 from nbshard.leftovers import hold_alive, sweep_temp
 from nbshard.ports import pick_port
-from nbshard.wire import bind_private
 
-__all__ = ["ENV_ALLOW", "release_kept", "start_ray"]
+__all__ = ["release_kept", "start_ray"]
 
-# What of the kernel's environment travels to other machines (their own environment is
-# theirs): names starting with these, and what env= and env_allow add.
-ENV_ALLOW = ("NCCL_", "TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_", "WANDB_", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
-             "PYTHONHASHSEED")
 _OPTIONS = {"num_cpus", "num_gpus", "resources", "place_timeout", "heartbeat", "env_allow", "keep"}
 PUMP = 0.05  # seconds between a node's batches of frames
 CHUNK = 8 << 20  # bytes of a file per call when a node's files come home
@@ -61,16 +56,8 @@ class NodeAgent:
         self.launcher: Any = None
         self.run_dir: RunDir | None = None
         self.frames: deque[list[bytes]] = deque(maxlen=RELAYED_FRAMES)
-        self._context = zmq.Context()
-        self._relay = self._context.socket(zmq.PULL)
-        self._relay.setsockopt(zmq.LINGER, 0)
-        self.address = bind_private(self._relay, self.folder).address  # the ranks' only way in
-        threading.Thread(target=self._receive, daemon=True).start()
-
-    def _receive(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            while True:
-                self.frames.append(self._relay.recv_multipart())
+        self._relay = NodeRelay(self.folder, self.frames.append)  # the ranks' only way out
+        self.address = self._relay.address
 
     def where(self) -> tuple[str, int]:
         """This node's address for the rendezvous, and a port free on it (used on node 0)."""
@@ -81,7 +68,7 @@ class NodeAgent:
     def start(self, spec_json: dict[str, Any], key: bytes, job: bytes | None, env: dict[str, str], preload: list[str] | None) -> None:
         """Start this node's launcher: forked from a warm process of this actor's (started by its
         first job, so a kept actor's later jobs launch warm) when ``preload`` is given."""
-        from nbshard.backends.local import _start_node
+        from nbshard.backends.local import start_node
 
         spec = LaunchSpec.from_json(spec_json)
         self.frames.clear()  # a kept actor: nothing of the last run (or attempt) goes to this one
@@ -93,7 +80,7 @@ class NodeAgent:
             write_atomic(self.run_dir.job, job)
         cwd = spec.cwd if os.path.isdir(spec.cwd) else str(self.folder)
         spec.replace(address=self.address, kernel_pid=os.getpid(), cwd=cwd).write(self.run_dir.launch)
-        self.launcher = _start_node(self.run_dir, {**os.environ, **env}, cwd, preload)
+        self.launcher = start_node(self.run_dir, {**os.environ, **env}, cwd, preload)
 
     def pump(self) -> tuple[list[list[bytes]], int | None]:
         """The frames since the last call, and the launcher's exit code once it has ended (read
@@ -225,10 +212,6 @@ def _options(given: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
-def node_environment(kernel_env: Mapping[str, str], job_env: Mapping[str, str], allow: Sequence[str]) -> dict[str, str]:
-    """What of the kernel's environment a remote node gets: the allow-listed names, then env=."""
-    prefixes = (*ENV_ALLOW, *allow)
-    return {**{k: v for k, v in kernel_env.items() if k.startswith(prefixes)}, **job_env}
 
 
 def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None) -> NodeGroup:

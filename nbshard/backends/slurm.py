@@ -39,14 +39,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import zmq
 
-from nbshard.backends.nodes import Forwarder, NodeGroup, move_rank_files, node_outcome, read_log
+from nbshard.backends.nodes import NodeGroup
+from nbshard.backends.relay import ENV_ALLOW, Forwarder, NodeRelay, importable_env, move_rank_files, node_outcome, read_log
 from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
 from nbshard.job import KILL, RunDir, check_seconds
 from nbshard.ports import pick_port
-from nbshard.wire import bind_private
 
 __all__ = ["ENV_KEEP", "main", "start_slurm"]
 
@@ -202,11 +201,8 @@ def start_slurm(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: S
     check_seconds("backend_options['heartbeat']", options["heartbeat"])
     if spec.gpus is not None:
         raise ValueError("backend='slurm' gives each node the GPUs Slurm assigns it: ask with srun_args=['--gpus-per-node=N'], not gpus=")
-    from nbshard.backends.local import _importable_env
-    from nbshard.backends.ray import ENV_ALLOW
-
     keep = (*ENV_KEEP, *ENV_ALLOW, *options["env_allow"])
-    task_env = _importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.env})
+    task_env = importable_env({**{k: v for k, v in env.items() if k.startswith(keep)}, **spec.env})
     nnodes = spec.nnodes
     job_name = f"nbshard-{run_dir.path.name}"[:120]
     forward = Forwarder(spec.address)
@@ -271,11 +267,6 @@ class _Stdout:
             sys.stdout.buffer.flush()
 
 
-def _relay(socket_: Any, out: _Stdout) -> None:
-    """Each frame the ranks and the launcher send, as one line."""
-    with contextlib.suppress(zmq.ZMQError, OSError, ValueError):
-        while True:
-            out.line(FRAME_PREFIX + " ".join(base64.b64encode(f).decode() for f in socket_.recv_multipart()))
 
 
 def _say_alive(node_rank: int, out: _Stdout) -> None:
@@ -301,7 +292,7 @@ _STEP_VARIABLES = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_PROCID", "SLURM_LOCALI
 
 def main(run_dir: str, restart_count: int = 0) -> int:
     """One srun task: this node's directory, the rendezvous, the relay, then the launcher."""
-    from nbshard.backends.local import _start_cold
+    from nbshard.backends.local import start_cold
 
     paths = RunDir(Path(run_dir))
     spec = LaunchSpec.read(paths.launch)
@@ -309,12 +300,9 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     node_dir = paths.node(node_rank)
     mkdir_private(node_dir.path, exist_ok=True)
     master_addr, port = _rendezvous(paths, node_rank)
-    context = zmq.Context()
-    relay = context.socket(zmq.PULL)
-    endpoint = bind_private(relay, node_dir.path)  # the ranks' only way in
-    address = endpoint.address
     out = _Stdout()
-    threading.Thread(target=_relay, args=(relay, out), daemon=True).start()
+    relay = NodeRelay(node_dir.path, lambda frames: out.line(FRAME_PREFIX + " ".join(base64.b64encode(f).decode() for f in frames)))
+    address = relay.address  # the ranks' only way out
     threading.Thread(target=_say_alive, args=(node_rank, out), daemon=True).start()
     write_atomic(node_dir.key, paths.key.read_bytes())
     if paths.job.exists():
@@ -325,7 +313,7 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     ).write(node_dir.launch)
     # The launcher's stdin is this task's: srun's, which carries the kernel's words and its end.
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STEP_VARIABLES)}
-    launcher = _start_cold(node_dir, env, spec.cwd if os.path.isdir(spec.cwd) else str(node_dir.path))
+    launcher = start_cold(node_dir, env, spec.cwd if os.path.isdir(spec.cwd) else str(node_dir.path))
     # Slurm signals every process of the step (scancel, a time limit): this task passes the signal on
     # (the launcher may be in a session of its own) and ends after its launcher, so srun ends only
     # once the launcher has written how its ranks ended, and the kernel reads "stopped from outside".
@@ -335,7 +323,7 @@ def main(run_dir: str, restart_count: int = 0) -> int:
     code = launcher.wait()
     time.sleep(0.5)  # the launcher's last frames, through the relay
     launcher.close()
-    endpoint.close()
+    relay.close()
     return code
 
 

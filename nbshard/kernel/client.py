@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
-from nbshard.backends.local import _importable_env
+from nbshard.backends.relay import importable_env
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
 from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
@@ -198,7 +198,7 @@ def restart_warm() -> None:
     """Start a new warm process now with ``settings.preload`` (e.g. after ``pip install``); jobs
     it already forked run on. Launches are cold until it is ready."""
     kernel_env = launch_environment(ranks_environment(os.environ), gpus=None, extra={})
-    warm.restart_warm(_importable_env(kernel_env), settings.preload, os.getcwd())
+    warm.restart_warm(importable_env(kernel_env), settings.preload, os.getcwd())
 
 
 def _stop_at_exit() -> None:
