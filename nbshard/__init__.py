@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import sys
+
 from nbshard.kernel.client import (
     JobHandle, Settings, TooManyRanks, cancel_all, jobs, restart_warm, run, settings, submit, warm_status,
 )
 from nbshard.rank.dist import device, init_process_group
 from nbshard.errors import (
     JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError, SessionLost,
+    script_excepthook,
 )
 from nbshard.kernel.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.job import Job
@@ -50,6 +53,9 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+if sys.excepthook is sys.__excepthook__:  # a plain script: its tracebacks skip nbshard's waiting frames
+    sys.excepthook = script_excepthook(sys.excepthook)
 
 
 def load_ipython_extension(ipython: object) -> None:

@@ -8,14 +8,20 @@ renders it exactly as a local one.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import concurrent.futures
 import dataclasses
 import errno
+import io
 import linecache
+import os
+import pickle
 import resource
 import signal
 import sys
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbshard.stacks import STARTING, where_stopped
@@ -31,6 +37,7 @@ __all__ = [
     "SessionLost",
     "likely_cause",
     "remote_exception",
+    "script_excepthook",
     "short_traceback",
     "signal_name",
 ]
@@ -117,6 +124,10 @@ class RankFailure:
     lost: str = ""
     """Why the node that ran this rank was lost (its machine, its launcher or its engine's
     worker gone), when that is what ended the rank."""
+    pickled: str = ""
+    """The exception itself, pickled by value in the rank (base64), when it could be."""
+    pickle_problem: str = ""
+    """Why it could not be, when it could not."""
 
     def describe(self) -> str:
         if self.lost:
@@ -151,7 +162,41 @@ class RankFailure:
             frames=tuple(data.get("frames", ())),
             traceback=str(data.get("traceback", "")),
             notes=tuple(map(str, data.get("notes", ()))),
+            pickled=str(data.get("pickled", "")),
+            pickle_problem=str(data.get("pickle_problem", "")),
         )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _without_package_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without nbshard's own frames (they only waited for the ranks)."""
+    kept = [entry for entry in _entries(tb) if not entry.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)]
+    for entry, after in zip(kept, [*kept[1:], None]):
+        entry.tb_next = after
+    return kept[0] if kept else None
+
+
+def _entries(tb: types.TracebackType | None) -> Iterator[types.TracebackType]:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def script_excepthook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``sys.excepthook`` for plain Python scripts: a job's error is printed with the script's
+    frames and the rank's, without nbshard's, then by the hook it replaced. (IPython renders
+    ``_render_traceback_``; pytest honours ``__tracebackhide__``.)"""
+
+    def hook(cls: type[BaseException], error: BaseException, tb: types.TracebackType | None) -> None:
+        if isinstance(error, (JobError, JobInterrupted)):
+            tb = _without_package_frames(tb)
+            error.__traceback__ = tb
+        previous(cls, error, tb)
+
+    hook.replaced = previous  # type: ignore[attr-defined]
+    return hook
 
 
 def short_traceback(error: BaseException) -> list[str]:
@@ -304,15 +349,42 @@ def _traceback_entry(frame: dict[str, Any]) -> Any:
     raise RuntimeError("unreachable: the compiled code always raises")
 
 
+class _KernelModulesOnly(pickle.Unpickler):
+    """Unpickles what refers only to modules the kernel has already imported: an exception of
+    torch's would otherwise import torch into a kernel that must stay torch-free."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module not in sys.modules:
+            raise pickle.UnpicklingError(f"its class comes from {module}, which the kernel has not imported")
+        return super().find_class(module, name)
+
+
+def _unpickled_exception(failure: RankFailure) -> tuple[BaseException | None, str]:
+    """The rank's own exception object, or None and why it is not available."""
+    if not failure.pickled:
+        return None, failure.pickle_problem or "the rank sent only its text"
+    try:
+        exc = _KernelModulesOnly(io.BytesIO(base64.b64decode(failure.pickled))).load()
+    except Exception as problem:  # noqa: BLE001 - any failure here only means: rebuild it from its text
+        return None, f"it could not be unpickled in the kernel ({type(problem).__name__}: {problem})"
+    if not isinstance(exc, BaseException):
+        return None, f"it unpickled as a {type(exc).__name__}, not an exception"
+    return exc, ""
+
+
 def remote_exception(failure: RankFailure) -> BaseException:
-    """An exception equal in type name, message and traceback to the one a rank raised."""
+    """The exception a rank raised, with the rank's traceback: the same object (class, args,
+    attributes; unpickled) where it can be, else one equal in type name and message, with a
+    note that says why it is only that."""
     if failure.exc_type is None:
         raise ValueError(f"rank {failure.rank} raised no exception: {failure.describe()}")
-    cls = _exception_class(failure.exc_type)
-    try:
-        exc: BaseException = cls(failure.message)
-    except Exception:  # a builtin with an unusual constructor, e.g. UnicodeDecodeError
-        exc = _remote_class("builtins", cls.__name__)(failure.message)
+    exc, problem = _unpickled_exception(failure)
+    if exc is None:
+        cls = _exception_class(failure.exc_type)
+        try:
+            exc = cls(failure.message)
+        except Exception:  # a builtin with an unusual constructor, e.g. UnicodeDecodeError
+            exc = _remote_class("builtins", cls.__name__)(failure.message)
     traceback = None
     for frame in reversed(failure.frames):
         entry = _traceback_entry(frame)
@@ -321,6 +393,9 @@ def remote_exception(failure: RankFailure) -> BaseException:
     exc.__traceback__ = traceback
     if hasattr(exc, "add_note"):  # Python 3.11+
         for note in failure.notes:
-            exc.add_note(note)
+            if note not in getattr(exc, "__notes__", ()):  # an unpickled exception has its own already
+                exc.add_note(note)
         exc.add_note(f"(raised in rank {failure.rank})")
+        if problem:
+            exc.add_note(f"(nbshard rebuilt this exception from its text: {problem}; its args and attributes are not the rank's)")
     return exc

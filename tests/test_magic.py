@@ -44,6 +44,7 @@ def test_a_cell_runs_on_every_rank_and_pulls_values_back(notebook):
     )
     assert result.status == "ok", result.stderr + result.traceback
     assert "[rank0]: hello from 0 of 2" in result.stdout and "[rank1]: hello from 1 of 2" in result.stdout
+    assert "[nbshard]: pulled values, who into the notebook (rank 0's)" in result.stdout
     assert notebook.execute("print(values, who)").stdout.strip() == "[0, 3, 6, 9] 0"
 
 
@@ -65,7 +66,7 @@ def test_a_pulled_name_that_cannot_travel_costs_only_itself(notebook):
     text = result.traceback
     assert "lock: Cannot send the result back: the pulled 'lock' (a _thread.lock)" in text
     assert "state_dict()" in text and "arguments" not in text  # a hint written for results
-    assert "The other pulled names were bound" in text
+    assert "Pulled before, after into the notebook" in text  # what it did bind, by name
     notebook.assert_reads_as_a_local_error(result)
     assert notebook.execute("print(before, after, 'lock' in globals())").stdout.strip() == "10 [0, 'ok'] False"
 
@@ -250,3 +251,14 @@ def test_killing_the_kernel_during_a_cell_leaves_no_rank(notebook, runs_dir):
     assert len(processes_of(runs_dir)) == 3
     os.kill(notebook.pid, signal.SIGKILL)
     assert not wait_until_gone(runs_dir, within=5.0)
+
+
+@pytest.mark.parametrize("session", ["", " --session tb"])
+def test_a_traceback_shows_the_magic_line_as_the_cells_first_line(notebook, session):
+    result = notebook.execute(f"%%shard_train --nproc 2{session}\nraise KeyError('missing')\n")
+    assert result.status == "error" and result.error["ename"] == "JobFailed", result.stderr
+    plain = result.traceback
+    assert f"%%shard_train --nproc 2{session}" in plain  # the cell's first line, not a blank one
+    assert "KeyError: 'missing'" in plain  # the rank's own exception: its args, not their text
+    if session:
+        notebook.execute("%shard_session tb --close")

@@ -104,3 +104,88 @@ def test_a_failure_in_main_code_shows_its_source_lines(script):
     assert "kernel_script.py\", line 9, in train" in remote and "    check(-1)" in remote
     assert "raise ValueError(f\"negative value: {value}\")" in remote
     assert "ValueError: negative value: -1" in remote
+
+
+def test_a_ranks_exception_arrives_as_the_same_object(script):
+    kernel = script(
+        """
+        import errno, nbshard
+
+        class Diverged(Exception):                  # a notebook's own class
+            def __init__(self, step, loss):
+                super().__init__(step, loss)
+                self.step = step
+
+        def fail(kind):
+            import os, threading
+            if os.environ["RANK"] != "1":
+                return
+            if kind == "key":
+                {}["missing"]
+            if kind == "args":
+                raise ValueError("a", 2)
+            if kind == "own":
+                raise Diverged(7, float("nan"))
+            if kind == "file":
+                open("/nonexistent/nbshard-test")
+            if kind == "torch":
+                import torch.distributed
+                raise torch.distributed.DistBackendError("NCCL error")
+            if kind == "lock":
+                error = RuntimeError("holds a lock")
+                error.lock = threading.Lock()
+                raise error
+
+        def cause(kind):
+            try:
+                nbshard.run(fail, kind, nproc=2, show_ranks=[])
+            except nbshard.JobFailed as failed:
+                return failed.__cause__
+
+        key = cause("key")
+        print("key:", repr(key), key.args)
+        print("args:", cause("args").args)
+        own = cause("own")
+        print("own:", isinstance(own, Diverged), own.step, own.args[0])
+        missing = cause("file")
+        print("file:", isinstance(missing, FileNotFoundError), missing.errno == errno.ENOENT, missing.filename)
+        lock = cause("lock")
+        print("lock:", type(lock).__name__, lock.__notes__[-1])
+        import sys
+        torch_error = cause("torch")
+        print("torch:", type(torch_error).__module__, type(torch_error).__name__, "torch" in sys.modules)
+        raise_it = cause("key")
+        print("notes:", raise_it.__notes__)
+        """
+    )
+    code, out = kernel.finish()
+    assert code == 0, out
+    assert "key: KeyError('missing') ('missing',)" in out  # not KeyError("'missing'")
+    assert "args: ('a', 2)" in out
+    assert "own: True 7 7" in out  # the notebook's class: isinstance holds, attributes intact
+    assert "file: True True /nonexistent/nbshard-test" in out
+    # What cannot be pickled is rebuilt from its text, and says so and why.
+    assert "lock: RuntimeError (nbshard rebuilt this exception from its text: the exception.lock (a lock) could not be pickled in the rank" in out
+    assert "notes: ['(raised in rank 1)']" in out
+    # Unpickling torch's class would import torch into the kernel: rebuilt by name instead.
+    assert "torch: torch.distributed DistBackendError False" in out
+
+
+def test_a_scripts_traceback_shows_its_own_and_the_ranks_frames_not_nbshards(script):
+    kernel = script(
+        """
+        import nbshard
+
+        def train():
+            raise KeyError("missing")
+
+        nbshard.run(train, nproc=2, show_ranks=[])
+        """
+    )
+    code, out = kernel.finish()
+    assert code == 1
+    traceback = out[out.index("Traceback"):]
+    assert 'kernel_script.py", line 5, in train' in traceback  # the rank's frame
+    assert 'kernel_script.py", line 7, in <module>' in traceback  # the script's
+    assert "nbshard/" not in traceback.replace("nbshard/runs", ""), traceback  # none of nbshard's files
+    assert "\nnbshard.errors.JobFailed: The job failed on rank" in traceback

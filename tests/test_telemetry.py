@@ -147,6 +147,30 @@ def test_a_memory_mapped_checkpoint_counts_as_resident_but_not_as_the_ranks_own(
     assert f"peak memory: rank 0 CPU anon{' PSS' if warm else ''} " in shown.getvalue()
 
 
+def spike(megabytes, seconds):
+    import time
+
+    time.sleep(0.5)  # the first sample is taken
+    held = b"x" * (megabytes * MIB)  # every page written: resident, anonymous
+    time.sleep(seconds)
+    del held
+    time.sleep(0.3)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_spike_between_two_samples_counts_in_the_peak(monkeypatch, warm):
+    monkeypatch.setattr(nbshard.settings, "warm", warm)
+    # One sample when the rank starts, the next when it ends: 256 MiB held for 0.3 s in between.
+    handle = nbshard.submit(spike, 256, 0.3, nproc=1, sample_interval=60)
+    handle.result(timeout=60)
+    first, last = handle.memory()
+    assert last["cpu_anon"] - first["cpu_anon"] < 64 * MIB, (first, last)  # no sample saw the spike
+    peak = handle.peak_memory()[0]
+    assert peak["cpu_peak_anon"] - first["cpu_anon"] >= 250 * MIB, peak
+    if handle.warm:
+        assert peak["cpu_peak_pss_anon"] - first["cpu_pss_anon"] >= 250 * MIB, peak
+
+
 def test_sampling_can_be_turned_off_while_metrics_still_arrive():
     handle = nbshard.submit(hold_memory, 1, 2, nproc=1, sample_interval=None)
     handle.result(timeout=60)

@@ -168,6 +168,7 @@ def run(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:
     Raises ``JobFailed`` (root cause first) when a rank fails, ``JobTimedOut``
     past ``timeout=``; an interrupt stops every rank before it propagates.
     """
+    __tracebackhide__ = True  # pytest: the error is the rank's, not this wait's
     handle = submit(target, *args, **options)
     handle.watch()
     return handle.result()

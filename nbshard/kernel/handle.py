@@ -118,9 +118,10 @@ class JobHandle:
 
         ``timeout`` only limits this wait: TimeoutError leaves the job running.
         """
+        __tracebackhide__ = True  # pytest: the error is the rank's, not this wait's
         exception = self.exception(timeout)
         if exception is not None:
-            raise exception
+            raise exception.with_traceback(None)  # each raise starts afresh, not onto the last one's frames
         return self._value
 
     def exception(self, timeout: float | None = None) -> JobError | None:
@@ -291,7 +292,8 @@ class JobHandle:
     def peak_memory(self) -> dict[int, dict[str, int | None]]:
         """Per rank, in bytes: ``cpu_peak_rss`` (resident, file pages included: a memory-mapped
         checkpoint counts), ``cpu_peak_anon`` (anonymous: what tensors and the heap hold, the
-        model's footprint; sampled), for a warm rank ``cpu_peak_pss`` and ``cpu_peak_pss_anon``
+        model's footprint: the samples', and a spike between two samples from the high-water mark
+        Linux keeps of resident memory), for a warm rank ``cpu_peak_pss`` and ``cpu_peak_pss_anon``
         (pages shared with the warm process divided among their sharers), and ``gpu_peak_allocated``
         (torch) and ``gpu_peak_used`` (NVML, what the process holds on the device)."""
         return self._telemetry.peaks()

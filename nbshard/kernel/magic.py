@@ -140,7 +140,7 @@ class ShardMagics(Magics):
             raise UsageError("%%shard_train: --max-restarts starts a failed job's ranks again; a session keeps its "
                              "ranks between cells (after a failure, %shard_session NAME --restart)")
         running = _session_of(args) if args.session else None
-        job = self._job(args, cell, pull, running.names if running is not None else set())
+        job = self._job(args, line, cell, pull, running.names if running is not None else set())
         try:
             handle = running.submit(job) if running is not None else submit(job)
         except TypeError as error:
@@ -151,7 +151,7 @@ class ShardMagics(Magics):
         if args.noblock:
             shell.user_ns[args.noblock] = handle
             handle.add_done_callback(lambda done: done.notes.extend(
-                f"could not pull {reason}" for reason in self._bind_pulled(done, pull, args.pull_all)
+                f"could not pull {reason}" for reason in self._bind_pulled(done, pull, args.pull_all)[1]
             ))
             handle.show_live()
             return
@@ -159,11 +159,13 @@ class ShardMagics(Magics):
         exception = handle.exception()
         if exception is not None:
             raise exception.with_traceback(None)  # the cause holds the rank's traceback
-        reasons = self._bind_pulled(handle, pull, args.pull_all)
+        bound, reasons = self._bind_pulled(handle, pull, args.pull_all)
         if reasons:
-            raise _pull_failed(reasons, bound_any=len(reasons) < len(pull))
+            raise _pull_failed(reasons, bound)
+        if bound:
+            print(f"[nbshard]: {_pulled_note(bound, args.pull_all)}")
 
-    def _job(self, args: Any, cell: str, pull: list[str], held: set[str]) -> Job:
+    def _job(self, args: Any, line: str, cell: str, pull: list[str], held: set[str]) -> Job:
         """The cell as a job; ``held``: names a session's ranks hold, which win over the
         notebook's (its functions, classes and modules, and ``--push`` names, are shipped)."""
         user_ns = self.shell.user_ns
@@ -178,9 +180,9 @@ class ShardMagics(Magics):
         ]
         modules = {n: user_ns[n].__name__ for n in present if isinstance(user_ns[n], types.ModuleType)}
         values = {n: user_ns[n] for n in present if n not in modules}
-        # Registered in the kernel's linecache, so a rank's traceback shows the cell's
-        # lines; the blank first line stands for the %%shard_train line.
-        filename = self.shell.compile.cache("\n" + cell, _shown_execution_count(self.shell))
+        # Registered in the kernel's linecache, so a rank's traceback shows the cell's lines,
+        # the %%shard_train line first; the ranks run a blank line in its place.
+        filename = self.shell.compile.cache(f"%%shard_train {line}".rstrip() + "\n" + cell, _shown_execution_count(self.shell))
         try:
             return Job(
                 run_cell,
@@ -203,11 +205,11 @@ class ShardMagics(Magics):
                 return UsageError(describe_unpicklable(found, f"Cannot ship the notebook's {name!r} to the ranks"))
         return None
 
-    def _bind_pulled(self, handle: JobHandle, pull: list[str], pull_all: bool) -> list[str]:
+    def _bind_pulled(self, handle: JobHandle, pull: list[str], pull_all: bool) -> tuple[list[str], list[str]]:
         """Assign every pulled name that arrived whole in the notebook (if the job succeeded);
-        returns why each of the others could not be pulled."""
+        returns the names bound, and why each of the others could not be pulled."""
         if handle.exception() is not None or not pull:
-            return []
+            return [], []
         ranks = handle.result() if pull_all else [handle.result()]
         loaded: dict[str, list[Any]] = {name: [] for name in pull}
         failed: dict[str, str] = {}
@@ -227,8 +229,8 @@ class ShardMagics(Magics):
         for name in bound:
             self.shell.user_ns[name] = loaded[name] if pull_all else loaded[name][0]
         if bound:
-            handle.notes.append(f"pulled {', '.join(bound)} into the notebook")
-        return [f"{name}: {failed[name]}" for name in pull if name in failed]
+            handle.notes.append(_pulled_note(bound, pull_all))
+        return bound, [f"{name}: {failed[name]}" for name in pull if name in failed]
 
 
     @magic_arguments()
@@ -281,8 +283,12 @@ class PullFailed(Exception):
         return short_traceback(self)
 
 
-def _pull_failed(reasons: list[str], bound_any: bool) -> PullFailed:
-    others = "The other pulled names were bound. " if bound_any else ""
+def _pulled_note(bound: list[str], pull_all: bool) -> str:
+    return f"pulled {', '.join(bound)} into the notebook" + (" (each a list indexed by rank)" if pull_all else " (rank 0's)")
+
+
+def _pull_failed(reasons: list[str], bound: list[str]) -> PullFailed:
+    others = f"Pulled {', '.join(bound)} into the notebook. " if bound else ""
     return PullFailed(
         f"The job succeeded, but {len(reasons)} pulled name{'s' * (len(reasons) > 1)} could not be "
         f"brought back to the notebook. {others}\n" + "\n".join(f"  {reason}" for reason in reasons)

@@ -6,6 +6,7 @@ A job's rank makes one call (``nbshard.worker``); a session's rank makes one per
 
 from __future__ import annotations
 
+import base64
 import os
 import pickle
 import sys
@@ -88,12 +89,33 @@ def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | Non
     return tb
 
 
+_MAX_PICKLED_ERROR = 1 << 20  # an exception holding more (a tensor argument) arrives as its text
+
+
+def _pickled_exception(error: BaseException) -> tuple[str, str]:
+    """``error`` pickled by value (its class and args intact, a notebook's class included) as
+    base64, and "" ; or "" and why it could not be, for the kernel to say so."""
+    from nbshard.pickling import dump_result, find_unpicklable
+
+    try:
+        data = dump_result(error, "the exception")
+    except Exception:  # noqa: BLE001 - any failure here only means: send the text
+        found = find_unpicklable(error, "the exception")
+        culprit = f"{found[0]} (a {type(found[1]).__qualname__})" if found else "it"
+        return "", f"{culprit} could not be pickled in the rank"
+    if len(data) > _MAX_PICKLED_ERROR:
+        return "", f"pickled, it takes {len(data) / 2**20:.1f} MiB (over {_MAX_PICKLED_ERROR >> 20} MiB)"
+    return base64.b64encode(data).decode("ascii"), ""
+
+
 def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = "") -> None:
     """The error file; the launcher copies its traceback into the rank's log (the kernel
-    shows it as a traceback of its own, so it is not streamed as lines too)."""
+    shows it as a traceback of its own, so it is not streamed as lines too). It carries the
+    exception pickled, so the kernel raises the same object where it can."""
     tb = _user_traceback(error.__traceback__)
     text = "".join(traceback.format_exception(type(error), error, tb)) + (f"{hint}\n" if hint else "")
     cls = type(error)
+    pickled, pickle_problem = _pickled_exception(error)
     write_json(
         run_dir.error(rank),
         {
@@ -104,6 +126,8 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
             "frames": _frames(tb),
             "traceback": text,
             "notes": [*getattr(error, "__notes__", ()), *([hint] if hint else [])],
+            "pickled": pickled,
+            "pickle_problem": pickle_problem,
         },
     )
 

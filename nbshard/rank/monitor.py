@@ -50,7 +50,7 @@ def _resident_bytes() -> tuple[int, int, int]:
 
 
 class _Peak:
-    """The highest value seen in the samples (Linux keeps no peak of anonymous memory)."""
+    """The highest value seen in the samples."""
 
     def __init__(self) -> None:
         self.value = 0
@@ -60,7 +60,31 @@ class _Peak:
         return self.value
 
 
-_peak_anonymous = _Peak()
+class _AnonymousPeak(_Peak):
+    """Peak anonymous memory, spikes between two samples included.
+
+    Linux keeps no peak of anonymous memory, only of resident memory (``ru_maxrss``, updated
+    before memory is unmapped). When that high-water mark rose since the last sample, resident
+    memory peaked in between: its anonymous part was the mark minus the file pages, taken at the
+    larger of their two sampled sizes, so the figure errs low (it errs high only where a file was
+    mapped, read and let go again between two samples).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.between = 0  # the last peak found between samples
+        self._mark: int | None = None  # the high-water mark and file pages at the last sample
+        self._file = 0
+
+    def sample(self, anonymous: int, peak_resident: int, file_pages: int) -> int:
+        if self._mark is not None and peak_resident > self._mark:
+            self.between = max(peak_resident - max(self._file, file_pages), 0)
+            self(self.between)
+        self._mark, self._file = peak_resident, file_pages
+        return self(anonymous)
+
+
+_peak_anonymous = _AnonymousPeak()
 
 
 class _ProportionalMemory:
@@ -77,7 +101,7 @@ class _ProportionalMemory:
         self.on = False
         self._read_at = float("-inf")
         self._shared = 0  # resident minus proportional, at the last read
-        self._shared_anonymous = 0  # the same for anonymous memory
+        self.shared_anonymous = 0  # the same for anonymous memory
         self.peak = _Peak()
         self.peak_anonymous = _Peak()
 
@@ -92,10 +116,10 @@ class _ProportionalMemory:
                         self.peak(exact)
                     elif line.startswith(b"Pss_Anon:"):
                         exact = int(line.split()[1]) * 1024
-                        self._shared_anonymous = max(anonymous - exact, 0)
+                        self.shared_anonymous = max(anonymous - exact, 0)
                         self.peak_anonymous(exact)
             self._read_at = time.monotonic()
-        return max(rss - self._shared, 0), max(anonymous - self._shared_anonymous, 0)
+        return max(rss - self._shared, 0), max(anonymous - self.shared_anonymous, 0)
 
 
 _proportional = _ProportionalMemory()
@@ -180,10 +204,13 @@ def sample_memory() -> dict[str, Any]:
         gpus = _gpu_memory()
     except Exception:  # noqa: BLE001 - telemetry must never fail or print into the job
         gpus = []
-    sample = {"rss": rss, "peak_rss": peak_rss, "anon": anonymous, "peak_anon": _peak_anonymous(anonymous), "gpus": gpus}
+    peak_anonymous = _peak_anonymous.sample(anonymous, peak_rss, rss - anonymous)
+    sample = {"rss": rss, "peak_rss": peak_rss, "anon": anonymous, "peak_anon": peak_anonymous, "gpus": gpus}
     if _proportional.on:
         with contextlib.suppress(OSError, ValueError):
             pss, anonymous_pss = _proportional(rss, anonymous)
+            # A spike between samples is the rank's own memory: shared pages were there before it.
+            _proportional.peak_anonymous(_peak_anonymous.between - _proportional.shared_anonymous)
             sample.update(pss=pss, peak_pss=_proportional.peak.value, pss_anon=anonymous_pss,
                           peak_pss_anon=_proportional.peak_anonymous.value)
     return sample
