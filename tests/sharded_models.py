@@ -345,3 +345,76 @@ def step_returning_freed_memory(return_freed_memory):
     logits.pow(2).mean().backward()
     optimizer.step()
     return {"trimmed": trimmed, "state": fsdp.full_state_dict(model)}
+
+
+def tiny_gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    return GPT2Config(**{"vocab_size": 128, "n_positions": 32, "n_embd": 64, "n_layer": 4, "n_head": 4,
+                         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **overrides})  # no dropout: steps compare
+
+
+def hugging_face_gpt2(checkpoint=None, strict=True, **overrides):
+    """A GPT-2 from its config, sharded: from a checkpoint, or from scratch with its own init."""
+    from transformers import GPT2LMHeadModel
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: GPT2LMHeadModel(tiny_gpt2_config(**overrides)), full_checkpoint=checkpoint, strict=strict)
+    logits = model(input_ids=torch.arange(16).reshape(2, 8)).logits.detach()
+    return {"state": fsdp.full_state_dict(model), "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits}
+
+
+def plain_model(kind: str):
+    """A small real model of each kind, unsharded (built on meta inside build_sharded)."""
+    if kind == "gpt2":
+        from transformers import GPT2LMHeadModel
+
+        return GPT2LMHeadModel(tiny_gpt2_config())
+    if kind == "llama":
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(tiny_llama_config())
+    from litgpt.lora import GPT
+
+    return GPT(litgpt_config(lora=True))
+
+
+def logits_of(model, tokens):
+    out = model(input_ids=tokens) if hasattr(model, "config") and hasattr(model.config, "model_type") else model(tokens)
+    return getattr(out, "logits", out)
+
+
+def one_step(model, tokens):
+    """What a training step is here: the same in a rank and in one process."""
+    loss = logits_of(model, tokens).float().pow(2).mean()
+    loss.backward()
+
+
+def train_after_eval(kind: str):
+    """Check the loaded model under no_grad first (as people do), then train one step; a model
+    sharded by build_sharded must train every parameter as one process would."""
+    import torch.distributed as dist
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: plain_model(kind))
+    before = fsdp.full_state_dict(model)
+    tokens = torch.arange(32).reshape(2, 16) % 100
+    with torch.no_grad():
+        logits_of(model, tokens)  # an eval forward: FSDP2 leaves a root unsharded after it
+    if kind == "litgpt_lora":
+        from litgpt.lora import mark_only_lora_as_trainable
+
+        mark_only_lora_as_trainable(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    one_step(model, tokens)
+    optimizer.step()
+    after = fsdp.full_state_dict(model)
+    trainable = fsdp.full_state_dict(model, trainable_only=True)
+    if dist.get_rank() == 0:
+        return {"before": before, "after": after, "trainable": sorted(trainable), "tokens": tokens}

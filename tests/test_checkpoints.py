@@ -3,6 +3,8 @@ safetensors (single and sharded with an index), Hugging Face directories, DCP di
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -159,3 +161,51 @@ def test_litgpt_lora_loads_a_base_checkpoint_sharded_in_one_call(tmp_path):
     with torch.no_grad():
         expected = base(sharded_models.LITGPT_TOKENS)
     assert torch.allclose(result["logits"], expected, atol=1e-5)
+
+
+def test_gpt2_from_scratch_has_its_own_scaled_residual_init():
+    result = nbshard.run(sharded_models.hugging_face_gpt2, nproc=2)
+    state, layers = result["state"], sharded_models.tiny_gpt2_config().n_layer
+    scaled = 0.02 / math.sqrt(2 * layers)  # GPT-2's residual projections, set by GPT2MLP's and GPT2Attention's init
+    for layer in range(layers):
+        for name in ("attn.c_proj", "mlp.c_proj"):
+            std = state[f"transformer.h.{layer}.{name}.weight"].std().item()
+            assert abs(std - scaled) < 0.1 * scaled, (name, std, scaled)
+        std = state[f"transformer.h.{layer}.mlp.c_fc.weight"].std().item()
+        assert abs(std - 0.02) < 0.002, std
+    assert torch.equal(state["transformer.ln_f.weight"], torch.ones(64))
+    assert torch.isfinite(result["logits"]).all()
+
+
+def gpt2_as_the_hub_ships_it(folder):
+    """GPT-2's checkpoint as on the hub: the base model's keys (no ``transformer.``), with the old
+    ``attn.bias`` masks the model leaves aside."""
+    from safetensors.torch import save_file
+    from transformers import GPT2Model
+
+    torch.manual_seed(3)
+    base = GPT2Model(sharded_models.tiny_gpt2_config())
+    state = {key: value.contiguous() for key, value in base.state_dict().items()}
+    state.update({f"h.{layer}.attn.bias": torch.ones(1, 1, 32, 32) for layer in range(base.config.n_layer)})
+    save_file(state, folder / "model.safetensors")
+    return base
+
+
+def test_a_base_model_checkpoint_loads_into_the_model_with_a_head(tmp_path):
+    base = gpt2_as_the_hub_ships_it(tmp_path)
+    result = nbshard.run(sharded_models.hugging_face_gpt2, str(tmp_path), nproc=2)
+    for key, value in base.state_dict().items():
+        assert torch.equal(result["state"][f"transformer.{key}"], value), key
+    assert torch.equal(result["state"]["lm_head.weight"], base.wte.weight)  # tied to the embedding
+
+
+def test_strict_false_that_fills_under_half_of_the_model_is_an_error(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(sharded_models.tiny_llama_config()).save_pretrained(tmp_path)  # another model
+    with pytest.raises(nbshard.JobFailed) as failed:
+        nbshard.run(sharded_models.hugging_face_gpt2, str(tmp_path), False, nproc=2, show_ranks=[])
+    cause = failed.value.__cause__
+    assert isinstance(cause, ValueError), cause
+    assert "fills only 0 of the model's" in str(cause) and "mostly random" in str(cause)
+    assert "another model's checkpoint, or its keys are named differently" in str(cause)

@@ -112,4 +112,7 @@ def test_tail_view_keeps_the_newest_lines_and_live_bars_below_them():
     assert view.lines() == ["[rank0]: first", "[rank1]: from rank 1", "[rank0]: logged"]
     view.line(0, "err", "100% done", False)
     view.note("finished")
-    assert view.lines() == ["[rank0]: logged", "[rank0]: 100% done", "[nbshard]: finished"]
+    assert view.lines() == [  # the view says that earlier lines were left out, and where they are
+        "[nbshard]: 2 earlier lines not shown here; handle.logs(rank) has every line",
+        "[rank0]: logged", "[rank0]: 100% done", "[nbshard]: finished",
+    ]

@@ -136,3 +136,27 @@ def test_cpu_models_return_freed_memory_at_unit_boundaries_and_train_the_same():
     assert by_default["trimmed"] == on["trimmed"] == ["", "blocks.0", "blocks.1", "blocks.2", "embed", "head"], on["trimmed"]
     assert off["trimmed"] == []
     assert_same_state(on["state"], off["state"])  # in-place ops on a unit's output still work
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "litgpt_lora"])
+def test_a_model_checked_under_no_grad_first_trains_every_parameter_as_one_process_would(kind):
+    if kind == "litgpt_lora":
+        pytest.importorskip("litgpt")
+    result = nbshard.run(sharded_models.train_after_eval, kind, nproc=2)
+    model = sharded_models.plain_model(kind)
+    model.load_state_dict(result["before"])
+    if kind == "litgpt_lora":
+        from litgpt.lora import mark_only_lora_as_trainable
+
+        mark_only_lora_as_trainable(model)
+    trainable = [name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]  # tied: each name
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    sharded_models.one_step(model, result["tokens"])
+    optimizer.step()
+    assert result["trainable"] == sorted(trainable)  # trainable_only saves what one process trains
+    expected = model.state_dict()
+    for key in expected:
+        assert torch.allclose(result["after"][key], expected[key], atol=1e-5), key
+    moved = [name for name in trainable if not torch.equal(result["after"][name], result["before"][name])]
+    if kind != "litgpt_lora":  # (LoRA's A gets no gradient in a first step: B starts at zero)
+        assert moved == trainable

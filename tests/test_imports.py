@@ -19,7 +19,7 @@ SIDES_ALLOWED = {
     "process": {"rank"},  # a rank runs the in-rank library (log_metrics' sampler)
     "rank": set(),
 }
-FRONT_DOORS = {"nbshard", "nbshard.testing", "nbshard.worker", "nbshard.launcher", "nbshard.fsdp"}
+FRONT_DOORS = {"nbshard", "nbshard.testing", "nbshard.worker", "nbshard.launcher", "nbshard.fsdp", "nbshard.demo", "nbshard.__main__"}
 
 
 def module_name(path) -> str:

@@ -189,3 +189,37 @@ def test_a_scripts_traceback_shows_its_own_and_the_ranks_frames_not_nbshards(scr
     assert 'kernel_script.py", line 7, in <module>' in traceback  # the script's
     assert "nbshard/" not in traceback.replace("nbshard/runs", ""), traceback  # none of nbshard's files
     assert "\nnbshard.errors.JobFailed: The job failed on rank" in traceback
+
+
+def test_the_first_launch_says_it_is_cold_and_shows_its_stages(script):
+    kernel = script(
+        """
+        import time, nbshard
+
+        def job():
+            import time
+            time.sleep(1.0)
+            return 1
+
+        handle = nbshard.submit(job, nproc=2)
+        stages = []
+        while not handle.done():
+            stage = handle.summary().split(": ", 1)[1].rsplit(" after", 1)[0]
+            if not stages or stages[-1] != stage:
+                stages.append(stage)
+            time.sleep(0.01)
+        print("stages:", stages)
+        print("first:", handle.launch_note)
+        handle.result()
+        second = nbshard.submit(job, nproc=2)
+        second.result()
+        print("second:", second.launch_note)
+        """
+    )
+    code, out = kernel.finish()
+    assert code == 0, out
+    stages = eval(out.split("stages: ", 1)[1].splitlines()[0])
+    assert stages[0] == "starting its launcher (a fresh Python process)", stages
+    assert "running" in stages and stages.index("running") > 0, stages  # each step in order, then running
+    assert "first: cold start: the first launch in this kernel starts fresh Python processes" in out
+    assert "second: cold start: the first launch" not in out  # said once

@@ -45,6 +45,7 @@ def test_each_rank_gets_torchruns_multi_node_environment_and_one_store():
     for rank in range(4):
         assert f"rank {rank} of 4 on node {rank // 2}" in handle.logs(rank)  # every log came home
     assert sorted(handle.peak_memory()) == [0, 1, 2, 3]
+    assert handle.summary().startswith("node_environment on 4 ranks (2 nodes x 2): succeeded")  # the header says nodes
 
 
 def test_a_rank_failing_on_one_node_stops_every_node_and_leads_the_error():

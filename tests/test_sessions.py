@@ -33,8 +33,11 @@ def test_the_ranks_and_what_they_hold_stay_between_calls_and_close_frees_them(se
     assert session.run(jobs.all_reduce_sum, return_all=True) == [3.0, 3.0]
     assert session.run(jobs.pid, return_all=True) == pids
     assert nbshard.sessions() == [session] and nbshard.session("test") is session
+    assert "gone" not in session._repr_html_() and "MiB" in session._repr_html_()
     session.close()
     assert session.state == "closed" and nbshard.sessions() == []
+    shown = session._repr_html_()  # what the notebook shows of it now: no memory held by ranks that are gone
+    assert shown.count(">gone<") == 2 and "peak" in shown, shown
     assert not wait_until_gone(session.run_dir, within=5.0)
     with pytest.raises(RuntimeError, match="closed; session.restart"):
         session.run(jobs.pid)

@@ -86,6 +86,17 @@ def test_views_render_as_text_and_self_contained_html():
     assert sparkline_svg([5.0]).count("<polyline") == 0
 
 
+def test_a_steady_sparkline_is_drawn_as_steady_not_as_a_border():
+    import re
+
+    steady, moving = sparkline_svg([200.0 * MIB] * 5, height=24), sparkline_svg([100.0 * MIB, 200.0 * MIB, 150.0 * MIB], height=24)
+    assert 'stroke-dasharray' in steady and "<title>steady at 200.0 MiB</title>" in steady
+    assert 'stroke-dasharray' not in moving and "<title>100.0 MiB to 200.0 MiB</title>" in moving
+    for svg in (steady, moving):
+        ys = [float(y) for y in re.findall(r",([\d.]+)", svg.split('points="')[1].split('"')[0])]
+        assert min(ys) >= 24 * 0.2, ys  # a quarter below the top: not along the cell's edge
+
+
 def test_a_job_reports_each_ranks_memory_and_metrics():
     handle = nbshard.submit(hold_memory, 200, 6, nproc=2, sample_interval=0.2)
     shown = io.StringIO()

@@ -180,6 +180,12 @@ _off: str | None = None  # why warm start stays off until restart_warm()
 MAX_LOST_IN_A_ROW = 3  # replaced that often without a warm launch between, warm start stays off
 
 
+FIRST_LAUNCH = (
+    "cold start: the first launch in this kernel starts fresh Python processes, each importing torch "
+    "(seconds); a warm process now starts in the background, and the next launches fork from it"
+)
+
+
 def _once(note: str) -> str | None:
     if note in _said:
         return None
@@ -199,7 +205,7 @@ def warm_launch(
         return None, _once(f"warm start is off for this kernel: {_off}; nbshard.restart_warm() tries again")
     if _current is None:
         _pending = (rank_env, tuple(preload), cwd)
-        return None, None  # the first launch of a kernel is cold, as everyone expects: nothing to say
+        return None, _once(FIRST_LAUNCH)
     if _current.preload != tuple(preload) or _current.signature != wanted:
         differs = sorted(k for k in {*wanted, *_current.signature} if wanted.get(k) != _current.signature.get(k))
         _pending = (rank_env, tuple(preload), cwd)

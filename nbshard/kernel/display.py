@@ -102,6 +102,7 @@ class TailView:
         self.max_lines = max_lines
         self._finished: collections.deque[str] = collections.deque(maxlen=max_lines)
         self._open: dict[tuple[int, str], str] = {}
+        self._seen = 0  # finished lines ever added: those beyond the newest are not shown
 
     def line(self, rank: int, stream: str, text: str, is_open: bool) -> None:
         if self.show_ranks is not None and rank not in self.show_ranks:
@@ -109,18 +110,26 @@ class TailView:
         key, shown = (rank, stream), rank_prefix(rank) + text
         self._open.pop(key, None)
         if not is_open:
-            self._finished.append(shown)
+            self._add(shown)
         elif not _blank(text):
             self._open[key] = shown
 
     def note(self, text: str) -> None:
-        self._finished.append(f"[nbshard]: {text}")
+        self._add(f"[nbshard]: {text}")
+
+    def _add(self, line: str) -> None:
+        self._finished.append(line)
+        self._seen += 1
 
     def lines(self) -> list[str]:
-        """The newest lines, oldest first; the live bars last."""
+        """The newest lines, oldest first, after a line saying how many earlier ones are not
+        shown; the live bars last."""
         live = list(self._open.values())[-self.max_lines:]
         room = self.max_lines - len(live)
-        return [*(list(self._finished)[-room:] if room else []), *live]
+        finished = list(self._finished)[-room:] if room else []
+        hidden = self._seen - len(finished)
+        earlier = [f"[nbshard]: {hidden} earlier line{'s' * (hidden > 1)} not shown here; handle.logs(rank) has every line"] if hidden else []
+        return [*earlier, *finished, *live]
 
     def render(self) -> str:
         return "\n".join(self.lines())
@@ -137,6 +146,11 @@ class RankView:
     history: list[float] = dataclasses.field(default_factory=list)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     last_line: str = ""
+    gone: bool = False  # the rank ended (a closed session's): it holds no memory now
+
+
+def _memory_now(view: RankView) -> str:
+    return "gone" if view.gone else f"{view.device} {human_bytes(view.current)}"
 
 
 def human_bytes(count: float | None) -> str:
@@ -157,22 +171,28 @@ def render_text(title: str, ranks: Sequence[RankView]) -> str:
     """The live view as text, for a terminal, a log, or a notebook's plain-text fallback."""
     rows = [title]
     for view in ranks:
-        memory = f"{view.device} {human_bytes(view.current)} (peak {human_bytes(view.peak)})" if view.device else "memory -"
+        memory = f"{_memory_now(view)} (peak {human_bytes(view.peak)})" if view.device else "memory -"
         parts = [f"rank {view.rank}", memory, _metrics_text(view.metrics), view.last_line[:80]]
         rows.append("  " + " | ".join(part for part in parts if part))
     return "\n".join(rows)
 
 
 def sparkline_svg(values: Sequence[float], width: int = 120, height: int = 24) -> str:
-    """Memory over time as a self-contained inline SVG (no script, no network)."""
+    """Memory over time as a self-contained inline SVG (no script, no network), zero at the
+    bottom and the highest value a quarter below the top, so no line runs along the cell's
+    edge; a series that barely moves is drawn dashed and grey, as steady, not as a border."""
     if len(values) < 2:
         return f'<svg width="{width}" height="{height}"></svg>'
-    top = max(values) or 1.0
+    top, low = max(values) or 1.0, min(values)
+    steady = top - low <= 0.02 * top
     step = width / (len(values) - 1)
-    points = " ".join(f"{i * step:.1f},{height - 1 - (v / top) * (height - 2):.1f}" for i, v in enumerate(values))
+    span = (height - 2) * 0.75
+    points = " ".join(f"{i * step:.1f},{height - 1 - (v / top) * span:.1f}" for i, v in enumerate(values))
+    style = 'stroke="#999" stroke-dasharray="3 3"' if steady else 'stroke="#1f77b4"'
+    title = f"steady at {human_bytes(top)}" if steady else f"{human_bytes(low)} to {human_bytes(top)}"
     return (
-        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
-        f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{points}"/></svg>'
+        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}"><title>{title}</title>'
+        f'<polyline fill="none" {style} stroke-width="1.5" points="{points}"/></svg>'
     )
 
 
@@ -183,7 +203,7 @@ def render_html(title: str, ranks: Sequence[RankView], tail: str = "") -> str:
     rows = "".join(
         "<tr>"
         f"<td {cell}>{view.rank}</td>"
-        f"<td {cell}>{html.escape(view.device)} {human_bytes(view.current)}</td>"
+        f"<td {cell}>{html.escape(_memory_now(view))}</td>"
         f"<td {cell}>{human_bytes(view.peak)}</td>"
         f"<td {cell}>{sparkline_svg(view.history)}</td>"
         f"<td {cell}>{html.escape(_metrics_text(view.metrics))}</td>"

@@ -69,6 +69,9 @@ class JobHandle:
         """Ranks on all nodes (``job.nproc`` is ranks on each node)."""
         self.run_dir = run_dir.path
         self.status = "running"
+        self.stage = "starting its launcher" + ("" if isinstance(launcher, WarmLauncher) else " (a fresh Python process)")
+        """While it runs, what it is doing: starting, loading the job (its imports), running."""
+        self._running_ranks: set[int] = set()
         self.started = time.time()
         self.ended: float | None = None
         self._paths = run_dir
@@ -301,12 +304,18 @@ class JobHandle:
     def summary(self) -> str:
         """One line: what runs, how it stands, for how long."""
         elapsed = (self.ended or time.time()) - self.started
-        text = f"{self.job.label} on {self.world_size} rank{'s' * (self.world_size > 1)}: {self.status} after {elapsed:.0f} s"
+        doing = self.stage if self.status == "running" else self.status
+        text = f"{self.job.label} on {self._where()}: {doing} after {elapsed:.0f} s"
         if self.attempts:
             text += f" (restarted {len(self.attempts)}x)"
         if self._exception is not None:
             text += f" ({str(self._exception).splitlines()[0]})"
         return text + "".join(f"; {note}" for note in self.notes)
+
+    def _where(self) -> str:
+        ranks = f"{self.world_size} rank{'s' * (self.world_size > 1)}"
+        nodes = self.job.nnodes
+        return f"{ranks} ({nodes} nodes x {self.job.nproc})" if nodes > 1 else ranks
 
     def add_done_callback(self, fn: Callable[[JobHandle], Any]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it has), from nbshard's thread."""
@@ -332,9 +341,23 @@ class JobHandle:
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
             self._live.note(str(message["text"]))
+        self._follow_stage(kind, message)
         if kind == "end":
             self._storage_error = message.get("storage_error")
         return kind == "end"
+
+    def _follow_stage(self, kind: Any, message: dict[str, Any]) -> None:
+        """What the job is doing, from the messages that mark each step of a launch."""
+        if kind == "event" and message.get("event") == "started":
+            self.stage = "starting its ranks"
+        elif kind == "sample" and not self._running_ranks and self.stage == "starting its ranks":
+            self.stage = "loading the job in its ranks (its imports)"
+        elif kind == "stage" and message.get("stage") == "running":
+            self._running_ranks.add(message["rank"])
+            self.stage = "running" if len(self._running_ranks) == self.world_size else (
+                f"running in {len(self._running_ranks)} of its ranks, loading in the others")
+        elif kind == "lines" and self.stage != "running" and not self._running_ranks:
+            self.stage = "running"  # a launcher that sends no stages (another nbshard on a node)
 
     def _note_dropped(self, rank: int, count: int) -> None:
         self._reported_drops[rank] += count

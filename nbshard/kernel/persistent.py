@@ -101,6 +101,7 @@ class CallHandle(JobHandle):
         self._metrics_from = session._metrics_offsets()  # the session's files hold every call's records
         super().__init__(job, session.world_size, call_dir, channel, channel, samples)  # type: ignore[arg-type]
         self.warm = session.warm
+        self.stage = "running"  # in ranks that are up already
 
     def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         value, error = super()._collect(files, outcome)
@@ -162,7 +163,7 @@ class Session:
         return f"session {self.name!r} on {self.world_size} rank{'s' * (self.world_size > 1)}: {self.state}"
 
     def _repr_html_(self) -> str:
-        return render_html(self.summary(), self._telemetry.views(), "")
+        return render_html(self.summary(), self._telemetry.views(gone=self.state in ("closed", "lost")), "")
 
     @property
     def names(self) -> set[str]:

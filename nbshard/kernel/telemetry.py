@@ -119,15 +119,15 @@ class Telemetry:
                     peak[field] = max(peak[field] or 0, record[source])
         return dict(sorted(peaks.items()))
 
-    def views(self) -> list[RankView]:
-        """What the live view shows for each rank."""
+    def views(self, gone: bool = False) -> list[RankView]:
+        """What the live view shows for each rank (``gone``: the ranks ended, their memory freed)."""
         with self._lock:
             views = []
             for rank in range(self.nproc):
                 latest = self._latest.get(rank)
                 device, current = _shown_bytes(latest) if latest else ("", None)
                 views.append(RankView(
-                    rank=rank, device=device, current=current, peak=self._peak.get(rank),
+                    rank=rank, device=device, current=None if gone else current, peak=self._peak.get(rank), gone=gone,
                     history=list(self._history[rank]), metrics=dict(self._last_metrics.get(rank, {})),
                     last_line=self._last_line.get(rank, ""),
                 ))

@@ -19,6 +19,7 @@ from typing import Any
 
 from nbshard.files import write_atomic, write_json
 from nbshard.job import RunDir
+from nbshard.rank import monitor
 
 __all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "write_error"]
 
@@ -139,11 +140,12 @@ def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def run_job(
     paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, call: Callable[..., Any] = call_job,
-    keep: Callable[[str, Any], bool] | None = None,
+    keep: Callable[[str, Any], bool] | None = None, announce: bool = True,
 ) -> int:
     """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
     for this rank; returns the rank's exit code. A session runs each of its calls this way
-    (``keep``: which of its names the notebook's do not replace)."""
+    (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
+    the job is loaded and runs)."""
     from nbshard.pickling import write_result
 
     try:
@@ -156,6 +158,8 @@ def run_job(
         ))
         return 1
     _install_notebook_main(_notebook_objects(fn, args, kwargs), paths.notebook_main(rank), keep)
+    if announce:  # loaded, its imports done: the cell says so (a session's calls run in ranks long up)
+        monitor.send_stage("running")
     try:
         value = call(fn, args, kwargs)
     except SystemExit as stop:

@@ -37,6 +37,7 @@ import copy
 import inspect
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -170,6 +171,7 @@ def build_sharded(
     for unit in whole:
         fully_shard(unit if len(unit) > 1 else unit[0], ignored_params=ignored or None, **shard_options)
     fully_shard(model, ignored_params=ignored or None, **shard_options)
+    model.register_forward_hook(_reshard_unless_training)
     if return_freed_memory if return_freed_memory is not None else device.type == "cpu":
         release_at_unit_boundaries([model, *(module for unit in units for module in unit)])
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
@@ -182,10 +184,20 @@ def build_sharded(
     elif full_checkpoint is not None:
         missing = _load_full_from_rank0(model, template, os.fspath(full_checkpoint), strict)
         if missing:
-            _init_from_rank0(model, template, seed, only=missing)
+            _init_from_rank0(model, template, seed, only=missing, units=units)
     else:
-        _init_from_rank0(model, template, seed)
+        _init_from_rank0(model, template, seed, units=units)
     return model
+
+
+def _reshard_unless_training(model: nn.Module, args: Any, output: Any) -> None:
+    """After a forward without gradients (checking a loaded model, evaluating), shard the root's
+    own parameters again. FSDP2 keeps a root unsharded after forward for the backward to come;
+    after a no-grad forward none comes, so the root would stay unsharded, and an optimizer made
+    then, or ``requires_grad_`` set then (LoRA's ``mark_only_lora_as_trainable``), would hold
+    the unsharded copies: the root's own parameters (a final norm) would never train."""
+    if not torch.is_grad_enabled():
+        model.reshard()
 
 
 def _mismatch(expected: dict[str, torch.Size], found: dict[str, torch.Size], what: str) -> str | None:
@@ -231,13 +243,15 @@ def _load_sharded(model: nn.Module, path: str) -> None:
 def _plan_full_load(model: nn.Module, template: nn.Module, checkpoint: Checkpoint, strict: bool) -> dict[str, Any]:
     """On rank 0: which checkpoint key fills each of the model's tensors (tied ones once), which it
     lacks, and a message when they do not fit."""
-    shapes = {key: checkpoint.shape_and_dtype(key) for key in checkpoint.keys()}
-    arrived = match_keys(template, shapes)
+    stored = {key: checkpoint.shape_and_dtype(key) for key in checkpoint.keys()}
+    arrived, renamed = _match_with_prefixes(template, stored)
+    shapes = {renamed[key]: shape for key, shape in stored.items()}
     fills: list[tuple[str, str]] = []
     missing: list[str] = []
     reshaped: dict[str, tuple[torch.Size, torch.Size]] = {}
     tensors = dict(model_keys(model))
-    for names in _tensor_groups(model).values():
+    groups = _tensor_groups(model)
+    for names in groups.values():
         found = next((name for name in names if name in arrived), None)
         if found is None:
             missing.append(names[0])
@@ -248,12 +262,56 @@ def _plan_full_load(model: nn.Module, template: nn.Module, checkpoint: Checkpoin
         fills.append((found, arrived[found]))
     used = set(arrived.values())
     unexpected = [key for key in shapes if key not in used]
+    # Keys the model says to leave aside, as from_pretrained does (GPT-2's old attn.bias masks).
+    unexpected = [key for key in unexpected if not _ignored(template, "_keys_to_ignore_on_load_unexpected", key)]
+    missing = [key for key in missing if not _ignored(template, "_keys_to_ignore_on_load_missing", key)]
+    original = {new: old for old, new in renamed.items()}
     hint = "Check that build() makes the model the checkpoint was saved from" + (
         "; strict=False initializes what the checkpoint lacks (new LoRA weights) and leaves aside what the model lacks."
         if strict else "."
     )
     problem = _describe_mismatch(f"The checkpoint {checkpoint.path}", missing if strict else [], unexpected if strict else [], reshaped, hint)
-    return {"fills": fills, "missing": missing, "unexpected": unexpected, "problem": problem}
+    if problem is None and not strict and 2 * len(fills) < len(groups):
+        problem = (
+            f"build_sharded(strict=False): the checkpoint {checkpoint.path} fills only {len(fills)} of the model's "
+            f"{len(groups)} tensors, so the model would be mostly random. Likely cause: it is another model's "
+            f"checkpoint, or its keys are named differently (the checkpoint has {', '.join(list(stored)[:3])}; "
+            f"the model expects {', '.join(next(iter(g)) for g in list(groups.values())[:3])}). Check that build() makes "
+            "the model the checkpoint was saved from; strict=False is for a few tensors, such as new LoRA weights."
+        )
+    return {"fills": [(name, original[key]) for name, key in fills], "missing": missing,
+            "unexpected": [original[key] for key in unexpected], "problem": problem}
+
+
+def _ignored(model: nn.Module, patterns: str, key: str) -> bool:
+    return any(re.search(pattern, key) for pattern in getattr(model, patterns, None) or ())
+
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers, in saved keys
+
+
+def _match_with_prefixes(template: nn.Module, stored: dict[str, tuple[torch.Size, torch.dtype]]) -> tuple[dict[str, str], dict[str, str]]:
+    """``match_keys`` with the checkpoint's keys as they are, or with the model's base prefix added
+    or removed (as Hugging Face's ``from_pretrained`` does: GPT-2 ships without ``transformer.``),
+    or a wrapper's prefix removed; whichever fills most. Returns (model key -> renamed key,
+    stored key -> renamed key)."""
+    prefix = getattr(template, "base_model_prefix", "")
+    renamings: list[Callable[[str], str]] = [lambda key: key]
+    if isinstance(prefix, str) and prefix:
+        renamings += [lambda key: key if key.startswith(f"{prefix}.") else f"{prefix}.{key}",
+                      lambda key: key.removeprefix(f"{prefix}.")]
+    renamings += [lambda key, wrapper=wrapper: key.removeprefix(wrapper) for wrapper in _WRAPPER_PREFIXES]
+    best: tuple[dict[str, str], dict[str, str]] = ({}, {key: key for key in stored})
+    for rename in renamings:
+        renamed = {key: rename(key) for key in stored}
+        if len(set(renamed.values())) < len(renamed):  # two stored keys under one name: not this renaming
+            continue
+        arrived = match_keys(template, {renamed[key]: shape for key, shape in stored.items()})
+        if len(arrived) > len(best[0]):
+            best = (arrived, renamed)
+        if len(arrived) == len(stored):
+            break
+    return best
 
 
 def _tensor_groups(model: nn.Module) -> dict[int, list[str]]:
@@ -304,48 +362,70 @@ def _initializer(template: nn.Module) -> Callable[[nn.Module], None] | None:
     return init_weights
 
 
-def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None) -> None:
-    """Rank 0 initializes one module at a time and scatters it (``only``: just those keys)."""
+def _init_groups(template: nn.Module, units: list[list[nn.Module]], whole_units: bool) -> list[list[nn.Module]]:
+    """The modules rank 0 initializes together, in the order the model registers them: each module
+    alone, or with ``whole_units`` each unit's modules together (a model's own init may set a
+    descendant's parameters: GPT-2's attention and MLP scale their ``c_proj``)."""
+    if not whole_units:
+        return [[module] for module in template.modules()]
+    unit_of: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for root in unit:
+            unit_of.update((id(module), index) for module in root.modules())
+    groups: list[list[nn.Module]] = []
+    started: dict[int, list[nn.Module]] = {}
+    for module in template.modules():
+        index = unit_of.get(id(module))
+        if index is None:
+            groups.append([module])
+        elif index in started:
+            started[index].append(module)
+        else:
+            started[index] = [module]
+            groups.append(started[index])
+    return groups
+
+
+def _init_from_rank0(
+    model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None, units: list[list[nn.Module]] = ()
+) -> None:
+    """Rank 0 initializes one module (or, for a model with its own ``_init_weights``, one unit) at a
+    time and scatters it (``only``: just those keys)."""
     rank = dist.get_rank()
     targets = dict(model.named_parameters(remove_duplicate=False))
     # A persistent buffer the checkpoint lacks keeps the value the model was built with.
     wanted = {id(targets[name]) for name in only if name in targets} if only is not None else set(map(id, targets.values()))
     init_weights = _initializer(template)
+    names_of = {id(module): {name: f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False)}
+                for prefix, module in template.named_modules()}
+    template_units = _same_modules_in(template, model, units)
+    groups = _init_groups(template, template_units, whole_units=init_weights is not None)
     done: set[int] = set()
     uninitialized: list[str] = []  # rank 0's: parameters no initializer wrote
-    modules = [(module, {name: f"{prefix}.{name}" if prefix else name for name, _ in module.named_parameters(recurse=False)})
-               for prefix, module in template.named_modules()]
-    # After the last module that first owns a wanted parameter, only tied copies remain (a tied head):
+    # After the last group that first owns a wanted parameter, only tied copies remain (a tied head):
     # initializing them would change nothing but hold a whole module on rank 0.
-    first_owners = {id(targets[key]): index for index, (_, names) in reversed(list(enumerate(modules))) for key in names.values()}
+    first_owners = {id(targets[key]): index for index, group in reversed(list(enumerate(groups)))
+                    for module in group for key in names_of[id(module)].values()}
     last = max((index for target, index in first_owners.items() if target in wanted), default=-1)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for module, names in modules[: last + 1]:
-            own = dict(module.named_parameters(recurse=False))
-            if not any(id(targets[key]) in wanted for key in names.values()):
+        for group in groups[: last + 1]:
+            keys = [key for module in group for key in names_of[id(module)].values()]
+            if not any(id(targets[key]) in wanted for key in keys):
                 continue
-            if init_weights is None and not hasattr(module, "reset_parameters"):
+            if init_weights is None and not hasattr(group[0], "reset_parameters"):
                 continue
             if rank == 0:  # draws in the order construction would have
-                module.to_empty(device="cpu", recurse=False)
-                materialized = {name: module._parameters[name] for name in own}
-                for param in materialized.values():
-                    if param.is_floating_point():
-                        param.fill_(float("nan"))  # what no initializer writes stays NaN, and is named
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-                if init_weights is not None:
-                    init_weights(module)
-                # A sum is NaN when any element is; it allocates no tensor of the parameter's size.
-                uninitialized += [names[n] for n, p in materialized.items() if p.is_floating_point() and p.sum().isnan()]
-            for name in own:
-                target = targets[names[name]]
-                if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values
-                    continue
-                _scatter_into(target, module._parameters[name].detach() if rank == 0 else None)
-                done.add(id(target))
-            module.to_empty(device="meta", recurse=False)  # rank 0 lets go of the module
+                uninitialized += _initialize(group, names_of, init_weights)
+            for module in group:
+                for name, key in names_of[id(module)].items():
+                    target = targets[key]
+                    if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values
+                        continue
+                    _scatter_into(target, module._parameters[name].detach() if rank == 0 else None)
+                    done.add(id(target))
+            for module in group:
+                module.to_empty(device="meta", recurse=False)  # rank 0 lets go of them
     left = sorted(name for name, param in targets.items() if id(param) in wanted and id(param) not in done)
     shared: list[Any] = [uninitialized]
     dist.broadcast_object_list(shared, src=0)
@@ -355,6 +435,36 @@ def _init_from_rank0(model: nn.Module, template: nn.Module, seed: int, only: set
             f"no reset_parameters() initializes {', '.join(left[:10])}: their modules define none. "
             "Give those modules a reset_parameters(), or load a checkpoint (full_checkpoint=...)."
         )
+
+
+def _initialize(group: list[nn.Module], names_of: dict[int, dict[str, str]], init_weights: Callable[[nn.Module], None] | None) -> list[str]:
+    """On rank 0: allocate the group's parameters and run the model's own init over them, as
+    construction and then ``post_init`` would: each module's ``reset_parameters()`` in registration
+    order, then ``init_weights`` children before parents (``nn.Module.apply``'s order). Returns the
+    keys of parameters no initializer wrote."""
+    materialized: list[tuple[str, torch.Tensor]] = []
+    for module in group:
+        module.to_empty(device="cpu", recurse=False)
+        for name, key in names_of[id(module)].items():
+            param = module._parameters[name]
+            if param.is_floating_point():
+                param.fill_(float("nan"))  # what no initializer writes stays NaN, and is named
+            materialized.append((key, param))
+    for module in group:
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    if init_weights is not None:
+        for module in reversed(group):  # a module comes after its parent in registration order
+            init_weights(module)
+    # A sum is NaN when any element is; it allocates no tensor of the parameter's size.
+    return [key for key, param in materialized if param.is_floating_point() and param.sum().isnan()]
+
+
+def _same_modules_in(template: nn.Module, model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """``units`` (modules of ``model``) as the modules of ``template``, its copy, at the same names."""
+    name_of = {id(module): name for name, module in model.named_modules()}
+    in_template = dict(template.named_modules())
+    return [[in_template[name_of[id(module)]] for module in unit] for unit in units]
 
 
 _PIECE_BYTES = 64 * 2**20  # what rank 0 sends at a time while filling a row-sharded parameter

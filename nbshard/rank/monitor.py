@@ -21,7 +21,7 @@ from typing import Any
 from nbshard.files import open_private
 from nbshard.wire import Sender
 
-__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_sample"]
+__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_sample", "send_stage"]
 
 LINGER_MS = 500  # a rank's exit waits at most this long for a slow kernel
 
@@ -274,6 +274,13 @@ def send_sample() -> None:
     """A sample now, between the interval's (a session's call just ended: show what the rank holds now)."""
     if _active is not None:
         _active.send_sample()
+
+
+def send_stage(stage: str) -> None:
+    """Tell the kernel what this rank is doing (``running``: the job is loaded, its imports done)."""
+    if _active is not None:
+        with contextlib.suppress(Exception):  # telemetry never fails a job
+            _active.send({"kind": "stage", "stage": stage})
 
 
 def stop() -> None:
