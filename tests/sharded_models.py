@@ -211,8 +211,8 @@ def lora_train_and_save(base_path, folder):
 class WithCounter(RotaryLM):
     """A persistent buffer that older checkpoints lack."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
         self.register_buffer("counter", torch.tensor(7.0))
 
 
@@ -418,3 +418,38 @@ def train_after_eval(kind: str):
     trainable = fsdp.full_state_dict(model, trainable_only=True)
     if dist.get_rank() == 0:
         return {"before": before, "after": after, "trainable": sorted(trainable), "tokens": tokens}
+
+
+def save_full_both_formats(folder, dtype_name):
+    """A tied model in ``dtype``, with a counter buffer, saved whole in both formats."""
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    dtype = getattr(torch, dtype_name)
+    model = fsdp.build_sharded(lambda: WithCounter(vocab=1001).to(dtype), seed=4)  # 1001 rows: uneven shards
+    fsdp.save_full(model, f"{folder}/model.pt")
+    fsdp.save_full(model, f"{folder}/model.safetensors")
+    return fsdp.full_state_dict(model)
+
+
+def litgpt_merge_in_ranks():
+    """litgpt's LoRA GPT, sharded, with non-zero LoRA weights, merged in the ranks."""
+    from litgpt.lora import GPT
+
+    import nbshard
+    from nbshard import fsdp
+
+    nbshard.init_process_group()
+    model = fsdp.build_sharded(lambda: GPT(litgpt_config(lora=True)))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.to_local().normal_(std=0.05)  # B starts at zero: give the update something to add
+    tokens = LITGPT_TOKENS.to(nbshard.device())
+    before, logits = fsdp.full_state_dict(model), model(tokens).detach()
+    merged = fsdp.merge_lora(model)
+    after = model(tokens).detach()  # merged: the LoRA path is skipped, the base weight carries it
+    return {"before": before, "after": fsdp.full_state_dict(model), "merged": merged,
+            "logits": [x.full_tensor() if hasattr(x, "full_tensor") else x for x in (logits, after)]}

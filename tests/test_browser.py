@@ -57,6 +57,24 @@ CELLS = [
     "    print('waiting', flush=True)\n"
     "    time.sleep(600)\n"
     "nbshard.run(wait_long, nproc=2)\n",
+    # 5: a blocking cell that pulls a name back
+    "%%shard_train --nproc 2 --pull total\ntotal = rank + 41\n",
+    # 6: a session, closed: what its table shows of ranks that are gone
+    "def hold():\n"
+    "    global block\n"
+    "    block = bytearray(64 * 2**20)\n"
+    "shot = nbshard.session('shot', nproc=2)\n"
+    "shot.run(hold)\n"
+    "shot.close()\n"
+    "shot",
+    # 7: a job on 2 nodes whose memory stays steady, and a job with more lines than the view keeps
+    "import time\n"
+    "def steady():\n"
+    "    for i in range(30):\n"
+    "        print(f'step {i}', flush=True)\n"
+    "        time.sleep(0.1)\n"
+    "two_nodes = nbshard.submit(steady, nproc=1, nnodes=2, sample_interval=0.2)\n"
+    "two_nodes.show_live()",
 ]
 
 
@@ -151,3 +169,34 @@ def test_the_stop_button_ends_a_job_with_a_short_message(notebook):
     shown = notebook.text(4)
     for plumbing in ("Thread 0x", "threading.py", "runpy", "nbshard/"):
         assert plumbing not in shown
+
+
+def test_a_blocking_pull_says_what_it_bound(notebook):
+    notebook.run(5)
+    notebook.screenshot("5-pulled", of=5)
+    assert "[nbshard]: pulled total into the notebook (rank 0's)" in stdout_lines(notebook, 5)
+
+
+def test_a_closed_sessions_table_shows_its_ranks_gone(notebook):
+    notebook.run(6, timeout=180)
+    notebook.screenshot("6-closed-session", of=6)
+    table = notebook.cell(6).locator(".nbshard-job").last  # the session itself, after its call's view
+    text = table.inner_text()
+    assert "session 'shot' on 2 ranks: closed" in text and text.count("gone") == 2, text
+    assert "MiB" in text  # the peaks stay
+
+
+def test_a_steady_job_on_two_nodes_reads_as_such(notebook):
+    notebook.run(7)
+    view = notebook.cell(7).locator(".nbshard-job")
+    notebook.wait_for(lambda: "succeeded" in view.inner_text(), timeout=120)
+    notebook.screenshot("7-two-nodes-steady", of=7)
+    text = view.inner_text()
+    assert "steady on 2 ranks (2 nodes x 1): succeeded" in text, text
+    assert "earlier lines not shown here; handle.logs(rank) has every line" in text  # 60 lines, 20 shown
+    lines = view.locator("polyline")
+    assert lines.count() == 2
+    styles = [lines.nth(i).get_attribute("stroke-dasharray") for i in range(2)]
+    titles = [view.locator("svg title").nth(i).text_content() for i in range(2)]
+    # A rank's memory that barely moves is drawn dashed (steady), one that moves is drawn solid.
+    assert all((style is not None) == title.startswith("steady") for style, title in zip(styles, titles)), (styles, titles)

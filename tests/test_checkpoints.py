@@ -209,3 +209,36 @@ def test_strict_false_that_fills_under_half_of_the_model_is_an_error(tmp_path):
     assert isinstance(cause, ValueError), cause
     assert "fills only 0 of the model's" in str(cause) and "mostly random" in str(cause)
     assert "another model's checkpoint, or its keys are named differently" in str(cause)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_full_writes_torch_and_safetensors_files_that_load_as_written(tmp_path, dtype):
+    from safetensors.torch import load_file
+
+    state = nbshard.run(sharded_models.save_full_both_formats, str(tmp_path), dtype, nproc=2)
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert list(loaded) == list(state) and sorted(stored) == sorted(state)
+    for key, value in state.items():
+        assert loaded[key].dtype == value.dtype == stored[key].dtype, key
+        assert torch.equal(loaded[key], value) and torch.equal(stored[key], value), key
+    assert loaded["head.weight"].untyped_storage().data_ptr() == loaded["embed.weight"].untyped_storage().data_ptr()  # tied: one storage
+    model = sharded_models.WithCounter(vocab=1001).to(getattr(torch, dtype))
+    model.load_state_dict(loaded)  # strict: every key, every shape
+    model.load_state_dict(stored)
+
+
+def test_litgpt_lora_merges_in_the_ranks_as_in_one_process():
+    pytest.importorskip("litgpt")
+    from litgpt.lora import GPT, merge_lora_weights
+
+    result = nbshard.run(sharded_models.litgpt_merge_in_ranks, nproc=2)
+    model = GPT(sharded_models.litgpt_config(lora=True))
+    model.load_state_dict(result["before"])
+    merge_lora_weights(model)  # litgpt's own merge, in one process
+    expected = model.state_dict()
+    assert result["merged"] == sum(1 for m in model.modules() if hasattr(m, "merged") and m.merged) > 0
+    for key, value in expected.items():
+        assert torch.allclose(result["after"][key], value, atol=1e-6), key
+    before, after = result["logits"]
+    assert torch.allclose(before, after, atol=1e-4)  # the merged model computes what the LoRA one did

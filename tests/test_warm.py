@@ -218,11 +218,11 @@ def test_a_killed_kernel_takes_the_warm_process_and_its_jobs_along_within_5_seco
         while nbshard.warm_status()["state"] == "starting":
             time.sleep(0.1)
         handle = nbshard.submit(programs.wait_in_collective, nproc=2)
-        print("warm", handle.warm, nbshard.warm_status()["pid"], flush=True)
+        print("launched", handle.warm, nbshard.warm_status()["pid"], flush=True)
         handle.watch()
         """
     )
-    line = kernel.wait_for("warm ", timeout=120)
+    line = kernel.wait_for("launched ", timeout=120)
     _, was_warm, warm_pid = line.split()
     assert was_warm == "True"
     kernel.wait_for("ready")

@@ -180,18 +180,22 @@ def render_text(title: str, ranks: Sequence[RankView]) -> str:
 def sparkline_svg(values: Sequence[float], width: int = 120, height: int = 24) -> str:
     """Memory over time as a self-contained inline SVG (no script, no network), zero at the
     bottom and the highest value a quarter below the top, so no line runs along the cell's
-    edge; a series that barely moves is drawn dashed and grey, as steady, not as a border."""
+    edge; a series that barely moves is drawn dashed and grey across the middle, as steady,
+    not as a border."""
     if len(values) < 2:
         return f'<svg width="{width}" height="{height}"></svg>'
     top, low = max(values) or 1.0, min(values)
     steady = top - low <= 0.02 * top
     step = width / (len(values) - 1)
     span = (height - 2) * 0.75
-    points = " ".join(f"{i * step:.1f},{height - 1 - (v / top) * span:.1f}" for i, v in enumerate(values))
+    def y(value: float) -> float:
+        return height / 2 if steady else height - 1 - (value / top) * span
+
+    points = " ".join(f"{i * step:.1f},{y(v):.1f}" for i, v in enumerate(values))
     style = 'stroke="#999" stroke-dasharray="3 3"' if steady else 'stroke="#1f77b4"'
     title = f"steady at {human_bytes(top)}" if steady else f"{human_bytes(low)} to {human_bytes(top)}"
     return (
-        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}"><title>{title}</title>'
+        f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" style="vertical-align:middle"><title>{title}</title>'
         f'<polyline fill="none" {style} stroke-width="1.5" points="{points}"/></svg>'
     )
 

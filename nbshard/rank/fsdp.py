@@ -55,9 +55,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from nbshard.rank.checkpoints import Checkpoint, MappedReader, match_keys, model_keys, open_checkpoint
 from nbshard.rank.chunked import can_chunk, row_span, shard_by_rows
 from nbshard.rank.dist import device as rank_device
-from nbshard.rank.host_memory import release_at_unit_boundaries
+from nbshard.rank.full_checkpoint import write_consolidated
+from nbshard.rank.host_memory import release_at_unit_boundaries, release_freed_memory
+from nbshard.rank.lora import merge_lora
 
-__all__ = ["build_sharded", "default_blocks", "full_state_dict", "save_full", "save_sharded"]
+__all__ = ["build_sharded", "default_blocks", "full_state_dict", "merge_lora", "save_full", "save_sharded"]
 
 
 @contextlib.contextmanager
@@ -513,8 +515,8 @@ def full_state_dict(
     keys to use: each tensor under the key that model's checkpoint would have, as
     this model's own load hooks map them (LoRA's ``head.linear.weight`` is the
     base's ``head.weight``); tensors it has no key for are left out. That is not a
-    merge: fold LoRA weights into the base first (litgpt's ``merge_lora_weights``,
-    PEFT's ``merge_and_unload``) when the base should carry them.
+    merge: fold LoRA weights into the base first (``merge_lora(model)`` in the ranks for
+    litgpt's layers, PEFT's ``merge_and_unload`` in one process) when the base should carry them.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(model, options=options)
@@ -529,16 +531,22 @@ def full_state_dict(
 def save_full(
     model: nn.Module, path: str | os.PathLike[str], *, trainable_only: bool = False, keys_of: nn.Module | None = None
 ) -> None:
-    """Write one plain state dict from rank 0 (``torch.save``, or safetensors for a path ending in
-    ``.safetensors``) that ``load_state_dict`` reads; options as ``full_state_dict``. Collective."""
-    state = full_state_dict(model, trainable_only=trainable_only, keys_of=keys_of)
-    if state is not None:
-        if os.fspath(path).endswith(".safetensors"):
-            from safetensors.torch import save_file
-
-            save_file({key: value.contiguous() for key, value in state.items()}, os.fspath(path))
-        else:
-            torch.save(state, path)
+    """Write one plain state dict from rank 0 (``torch.save``'s format, or safetensors for a path
+    ending in ``.safetensors``) that ``load_state_dict`` reads; options as ``full_state_dict``.
+    Collective. Written a tensor at a time as each is gathered (``nbshard.full_checkpoint``), so
+    rank 0 holds its shard and one tensor, not the whole model."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)  # this rank's shards: nothing gathered yet
+    which = {name: names[0] for names in _tensor_groups(model).values() for name in names}  # tied keys: one tensor
+    entries = [(key, value, which.get(key, key)) for key, value in state.items()]
+    if keys_of is not None:
+        theirs = match_keys(model, {key: (value.shape, value.dtype) for key, value in keys_of.state_dict().items()})
+        entries = [(theirs[key], value, tensor) for key, value, tensor in entries if key in theirs]
+    del state
+    write_consolidated(entries, path)
+    del entries
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        release_freed_memory()  # what glibc kept of the gathered tensors goes back to the system
     dist.barrier()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["release_at_unit_boundaries"]
+__all__ = ["release_at_unit_boundaries", "release_freed_memory"]
 
 
 def _malloc_trim() -> Any:
@@ -30,6 +30,14 @@ def _malloc_trim() -> Any:
         return ctypes.CDLL(None).malloc_trim  # glibc; musl and others have none
     except (AttributeError, OSError):
         return None
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the system now; False where the C library cannot."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    return trim is not None
 
 
 def release_at_unit_boundaries(units: Iterable[nn.Module]) -> bool:
