@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+
+from nbshard.rank.chunked import row_span
 
 __all__ = ["write_consolidated"]
 
@@ -59,8 +61,38 @@ def _gathered(entries: list[tuple[str, torch.Tensor, str]]) -> Iterator[tuple[in
         if which in seen:
             continue
         seen.add(which)
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = _gather_to_rank0(tensor) if isinstance(tensor, DTensor) else tensor
         yield index, _alone(full.detach().to("cpu")) if rank0 else None
+        del full  # before the next one is gathered
+
+
+def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
+    """The whole tensor on rank 0's CPU (None elsewhere). Row-sharded (FSDP2's layout): each rank
+    sends its rows straight into their place in it, so rank 0 holds it once; other layouts
+    through ``full_tensor()``."""
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    rows_sharded = mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and tensor.ndim > 0
+    if not rows_sharded or mesh.size() != dist.get_world_size() or not local.is_contiguous():
+        return tensor.full_tensor()
+    group, me = mesh.get_group(), mesh.get_local_rank()
+    if me != 0:
+        if local.shape[0]:
+            dist.send(local, group_dst=0, group=group)
+        return None
+    full = torch.empty(tensor.shape, dtype=local.dtype)
+    for owner in range(mesh.size()):
+        rows = row_span(tensor.shape[0], mesh.size(), owner)
+        if not rows:
+            continue
+        if owner == 0:
+            full[rows.start:rows.stop].copy_(local)
+        elif local.device.type == "cpu":
+            dist.recv(full[rows.start:rows.stop], group_src=owner, group=group)
+        else:  # NCCL receives on the device: one owner's rows at a time, then to the CPU
+            piece = torch.empty((len(rows), *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+            dist.recv(piece, group_src=owner, group=group)
+            full[rows.start:rows.stop].copy_(piece)
+    return full
 
 
 def _alone(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,45 +192,47 @@ _SAFETENSORS_NAMES = {
 
 
 class _SafetensorsWriter:
-    """The safetensors format: a JSON header with every tensor's offsets, then the bytes in that
-    order. A tied tensor is written under each of its keys (safetensors has no aliases)."""
+    """The safetensors format: a JSON header with every tensor's offsets, then the bytes. A tied
+    tensor is written under each of its keys (safetensors has no aliases), its copies right after
+    one another, so no tensor waits in memory for its turn."""
 
     def __init__(self, path: str, entries: list[tuple[str, torch.Tensor, str]]) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         first_index: dict[str, int] = {}
         self._keys_of: dict[int, list[str]] = collections.defaultdict(list)  # first entry index -> keys
-        offset = 0
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for index, (key, tensor, which) in enumerate(entries):
-            shape, dtype = _shape_and_dtype(tensor)
+            shape, dtype = shapes[key] = _shape_and_dtype(tensor)
             if dtype not in _SAFETENSORS_NAMES:
                 raise ValueError(f"save_full: {key} is a {dtype} tensor, which safetensors cannot hold; save to a .pt path")
-            size = torch.empty((), dtype=dtype).element_size()
-            for dim in shape:
-                size *= dim
-            header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
             self._keys_of[first_index.setdefault(which, index)].append(key)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for keys in self._keys_of.values():  # the order the tensors are gathered in
+            for key in keys:
+                shape, dtype = shapes[key]
+                size = torch.empty((), dtype=dtype).element_size()
+                for dim in shape:
+                    size *= dim
+                header[key] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+                offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts on an 8-byte boundary
-        self._order = [key for key in header if key != "__metadata__"]
-        self._pending: dict[str, torch.Tensor] = {}  # tied copies that come later in the file
+        self._written = 0
         self._path = path
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close() or abort()
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
-        self._next = 0
 
     def write(self, index: int, tensor: torch.Tensor) -> None:
-        for key in self._keys_of[index]:
-            self._pending[key] = tensor
-        while self._next < len(self._order) and self._order[self._next] in self._pending:
-            data = self._pending.pop(self._order[self._next])
-            self._file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-            self._next += 1
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        for _ in self._keys_of[index]:
+            self._file.write(data)
+            self._written += 1
 
     def close(self) -> None:
         self._file.close()
-        if self._next != len(self._order):
-            raise RuntimeError(f"save_full wrote {self._next} of {len(self._order)} tensors to {self._path}")
+        expected = sum(map(len, self._keys_of.values()))
+        if self._written != expected:
+            raise RuntimeError(f"save_full wrote {self._written} of {expected} tensors to {self._path}")
 
     def abort(self) -> None:
         self._file.close()
