@@ -27,7 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-__all__ = ["Checkpoint", "MappedReader", "match_keys", "model_keys", "open_checkpoint"]
+__all__ = ["Checkpoint", "MappedReader", "match_keys", "model_keys", "open_checkpoint", "tensor_groups"]
+
 
 _WRAPPERS = ("state_dict", "model", "module")  # checkpoints that hold the state dict under one key
 _HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
@@ -145,6 +146,14 @@ def model_keys(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:
                 yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
+def tensor_groups(model: nn.Module) -> dict[int, list[str]]:
+    """The model's state-dict keys grouped by tensor: a tied parameter's names together."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model_keys(model):
+        groups.setdefault(id(tensor), []).append(name)
+    return groups
 
 
 class MappedReader(FileSystemReader):

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from nbshard.rank.chunked import row_span
+from nbshard.rank.scatter import gather_to_rank0
 
 __all__ = ["write_consolidated"]
 
@@ -61,38 +61,9 @@ def _gathered(entries: list[tuple[str, torch.Tensor, str]]) -> Iterator[tuple[in
         if which in seen:
             continue
         seen.add(which)
-        full = _gather_to_rank0(tensor) if isinstance(tensor, DTensor) else tensor
+        full = gather_to_rank0(tensor) if isinstance(tensor, DTensor) else tensor
         yield index, _alone(full.detach().to("cpu")) if rank0 else None
         del full  # before the next one is gathered
-
-
-def _gather_to_rank0(tensor: DTensor) -> torch.Tensor | None:
-    """The whole tensor on rank 0's CPU (None elsewhere). Row-sharded (FSDP2's layout): each rank
-    sends its rows straight into their place in it, so rank 0 holds it once; other layouts
-    through ``full_tensor()``."""
-    mesh, local = tensor.device_mesh, tensor.to_local()
-    rows_sharded = mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and tensor.ndim > 0
-    if not rows_sharded or mesh.size() != dist.get_world_size() or not local.is_contiguous():
-        return tensor.full_tensor()
-    group, me = mesh.get_group(), mesh.get_local_rank()
-    if me != 0:
-        if local.shape[0]:
-            dist.send(local, group_dst=0, group=group)
-        return None
-    full = torch.empty(tensor.shape, dtype=local.dtype)
-    for owner in range(mesh.size()):
-        rows = row_span(tensor.shape[0], mesh.size(), owner)
-        if not rows:
-            continue
-        if owner == 0:
-            full[rows.start:rows.stop].copy_(local)
-        elif local.device.type == "cpu":
-            dist.recv(full[rows.start:rows.stop], group_src=owner, group=group)
-        else:  # NCCL receives on the device: one owner's rows at a time, then to the CPU
-            piece = torch.empty((len(rows), *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-            dist.recv(piece, group_src=owner, group=group)
-            full[rows.start:rows.stop].copy_(piece)
-    return full
 
 
 def _alone(tensor: torch.Tensor) -> torch.Tensor:
