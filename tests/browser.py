@@ -100,10 +100,51 @@ class NotebookPage:
         self.page = page
         self.shots = shots
         page.set_viewport_size({"width": 1400, "height": 1000})
+        self.dialogs: list[str] = []  # what each dialog that came up unbidden said
         page.goto(f"{lab.url}/lab/tree/{notebook}?token={lab.token}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-        # The kernel is ready when the toolbar's status says idle.
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        self._wait_for_kernel(lab, notebook, timeout=90)
+
+    def _wait_for_kernel(self, lab: JupyterLab, notebook: str, timeout: float) -> None:
+        """Until the server's kernel for ``notebook`` is idle and the page names it.
+
+        The toolbar's execution indicator says idle before any kernel exists (its
+        default), and a cell run while the page has no kernel yet opens JupyterLab's
+        "Select Kernel" dialog over the notebook; so ask the server, then the page.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.handle_dialogs()
+            with urllib.request.urlopen(f"{lab.url}/api/sessions?token={lab.token}", timeout=5) as answer:
+                sessions = json.load(answer)
+            idle = any(s["path"].endswith(notebook) and (s.get("kernel") or {}).get("execution_state") == "idle"
+                       for s in sessions)
+            named = self.page.locator(".jp-Toolbar-kernelName").first.inner_text().strip()
+            if idle and named and named != "No Kernel":
+                return
+            self.page.wait_for_timeout(300)
+        self.screenshot("no-kernel")
+        raise TimeoutError(f"the notebook's kernel was not ready within {timeout} s; dialogs: {self.dialogs}")
+
+    def handle_dialogs(self) -> None:
+        """Answer a dialog that covers the notebook, keeping what it said in ``dialogs``.
+
+        "Select Kernel" (the page ran a cell before its kernel was there) is answered
+        with the default kernel, as a person would; any other is dismissed and the
+        test that follows fails or passes on what the page then shows.
+        """
+        dialog = self.page.locator(".jp-Dialog")
+        while dialog.count():
+            said = " | ".join(dialog.first.inner_text().split("\n"))
+            self.dialogs.append(said)
+            self.screenshot(f"dialog-{len(self.dialogs)}")
+            if "Select Kernel" in said:
+                dialog.first.locator(".jp-mod-accept").click()
+            else:
+                self.page.keyboard.press("Escape")
+            self.page.wait_for_timeout(300)
+            if len(self.dialogs) > 20:
+                raise RuntimeError(f"dialogs keep coming up over the notebook: {self.dialogs[-3:]}")
 
     def cell(self, index: int) -> Any:
         return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
@@ -115,6 +156,7 @@ class NotebookPage:
         drops the request (the prompt stays blank): then the person presses again.
         """
         for _ in range(5):
+            self.handle_dialogs()
             self.cell(index).locator(".jp-InputArea-editor").click()
             self.page.keyboard.press("Shift+Enter")
             started = time.monotonic()
@@ -144,7 +186,9 @@ class NotebookPage:
         while not condition():
             if time.monotonic() > deadline:
                 self.screenshot("timed-out")
-                raise TimeoutError(f"the page did not get there within {timeout} s; see {self.shots}")
+                shown = [" | ".join(d.inner_text().split("\n")) for d in self.page.locator(".jp-Dialog").all()]
+                raise TimeoutError(f"the page did not get there within {timeout} s; dialogs: {self.dialogs + shown};"
+                                   f" see {self.shots}")
             self.page.wait_for_timeout(200)
 
     def interrupt(self) -> None:

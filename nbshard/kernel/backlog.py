@@ -30,7 +30,7 @@ class LiveBacklog:
         self._logs_hint = logs_hint  # where every line is, for the note about dropped ones
         self._dropped = 0
         self._dropped_said = 0
-        self._filling = threading.Event()  # set when entries pile up, to wake a reader
+        self._arrived = threading.Event()  # set when entries arrive, to wake a reader that is not paced
         self._taken = threading.Event()  # set when a reader took entries, to wake a waiting adder
         self.patient = False  # True while a reader that takes every line watches
 
@@ -44,10 +44,8 @@ class LiveBacklog:
         self._make_room()
 
     def _make_room(self) -> None:
-        if len(self._items) > LIVE_BACKLOG // 8:
-            self._filling.set()
+        self._arrived.set()
         while len(self._items) > LIVE_BACKLOG and self.patient:
-            self._filling.set()
             self._taken.wait(0.1)
             self._taken.clear()
         while len(self._items) > LIVE_BACKLOG:
@@ -72,13 +70,15 @@ class LiveBacklog:
         return fed
 
     def wait(self, done: threading.Event, paced: bool) -> bool:
-        """Wait 0.1 s (``paced``: a notebook's rhythm) or until entries pile up; True once ``done``."""
+        """Wait 0.1 s (``paced``: a notebook's rhythm, which batches what it sends to the
+        browser) or, for a terminal, until entries arrive, so a line shows within a few
+        milliseconds of its print; True once ``done``."""
         if paced:
             return done.wait(0.1)
-        self._filling.wait(0.1)
-        self._filling.clear()
+        self._arrived.wait(0.1)
+        self._arrived.clear()
         return done.is_set()
 
     def wake(self) -> None:
         """Wake a waiting reader (the job ended)."""
-        self._filling.set()
+        self._arrived.set()
