@@ -1,20 +1,34 @@
-"""Per-call round trip of a persistent session, and how long an interrupt takes to end a call.
+"""Per-call round trip of a persistent session next to its peers, and how long an interrupt takes.
 
-On 2 CPU ranks (gloo), in one session, alternating: a trivial call, a call whose value is
-pulled back (a 1,000-element list), and a call with one all_reduce; medians and p90 over
-``calls`` of each. Then the time from ``cancel()`` (what the notebook's stop button does) to
+On 2 CPU ranks that have imported torch and joined a gloo group, one call of each kind after
+another: a trivial call, a call whose value is pulled back (a 1,000-element list), a call
+with one 4-byte all_reduce and one with a 1 MiB all_reduce. The same calls on the peers, in
+the same run, rounds alternated: two Ray actors (each in a gloo group with the other,
+``ray.get`` of both) and two ipyparallel engines (a ``DirectView`` over both), each skipped
+with a reason where it is not installed. Medians and the 99th percentile over ``calls``.
+
+Every launch starts the next warm process, which imports torch for a few seconds on the same
+cores; the figures are taken after it settled, as a person's calls come seconds after the
+session started. Then the time from ``cancel()`` (what the notebook's stop button does) to
 the call's end for a call sleeping in Python (the session lives on), and for a rank stuck in
 a barrier (the session is lost after ``interrupt_grace``, its ranks stopped).
-Usage: python benchmarks/session_cells.py [calls]
+
+Usage: python benchmarks/session_cells.py [calls per kind and peer] [alone]   (pip install ray ipyparallel)
+("alone": nbshard's session only, without the peers' processes sharing the cores)
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import nbshard
+
+SETTLE = 8.0  # seconds for the next warm process to finish importing torch
 
 
 def trivial() -> int:
@@ -25,19 +39,22 @@ def pulled() -> list[float]:
     return [float(i) for i in range(1000)]
 
 
-def init() -> None:
+def init(port: int | None = None, rank: int | None = None) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if port is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 
 
-def one_all_reduce() -> float:
+def all_reduce(numel: int) -> float:
     import torch
     import torch.distributed as dist
 
-    value = torch.ones(1)
+    value = torch.ones(numel)
     dist.all_reduce(value)
-    return float(value)
+    return float(value[0])
 
 
 def sleep_in_python() -> None:
@@ -56,14 +73,99 @@ def stuck_on_rank_0() -> None:
     time.sleep(60)
 
 
-def timed_call(session: nbshard.Session, fn) -> float:
+KINDS: dict[str, tuple[Callable[..., object], tuple[object, ...]]] = {
+    "trivial": (trivial, ()),
+    "value pulled": (pulled, ()),
+    "all_reduce 4 B": (all_reduce, (1,)),
+    "all_reduce 1 MiB": (all_reduce, (1 << 18,)),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class NbshardSession:
+    name = "nbshard session"
+
+    def __init__(self) -> None:
+        self.session = nbshard.session("bench", nproc=2, interrupt_grace=5)
+        self.session.run(init)
+        self.warm = self.session.warm
+
+    def call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        self.session.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class RayActors:
+    name = "Ray actors"
+
+    def __init__(self) -> None:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, address="local")
+
+        @ray.remote
+        class Rank:
+            def run(self, fn: Callable[..., object], args: tuple[object, ...]) -> object:
+                return fn(*args)
+
+        self.ray = ray
+        self.actors = [Rank.remote() for _ in range(2)]
+        port = free_port()
+        ray.get([actor.run.remote(init, (port, rank)) for rank, actor in enumerate(self.actors)])
+
+    def call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        self.ray.get([actor.run.remote(fn, args) for actor in self.actors])
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+class IpyparallelEngines:
+    name = "ipyparallel engines"
+
+    def __init__(self) -> None:
+        import ipyparallel
+
+        self.cluster = ipyparallel.Cluster(n=2, log_level=40)
+        self.client = self.cluster.start_and_connect_sync()
+        self.client.wait_for_engines(2, timeout=120)
+        self.view = self.client[:]
+        self.view.block = True
+        port = free_port()
+        self.view.map(init, [port, port], [0, 1])
+
+    def call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        self.view.apply_sync(fn, *args)
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.stop_cluster_sync()
+
+
+def start_peers(alone: bool) -> list[object]:
+    peers: list[object] = [NbshardSession()]
+    for peer in () if alone else (RayActors, IpyparallelEngines):
+        try:
+            peers.append(peer())
+        except ImportError as error:
+            print(f"  {peer.name}: skipped ({error}; pip install ray ipyparallel)")
+    return peers
+
+
+def timed(peer: object, fn: Callable[..., object], args: tuple[object, ...]) -> float:
     started = time.perf_counter()
-    handle = session.submit(fn)
-    handle.result()
+    peer.call(fn, args)  # type: ignore[attr-defined]
     return time.perf_counter() - started
 
 
-def time_to_interrupt(session: nbshard.Session, fn, marker: str) -> tuple[float, str]:
+def time_to_interrupt(session: nbshard.Session, fn: Callable[[], None], marker: str) -> tuple[float, str]:
     handle = session.submit(fn)
     while sum(handle.logs(rank).count(marker) for rank in range(2)) < 2:
         time.sleep(0.01)
@@ -77,20 +179,31 @@ def quantile(values: list[float], q: float) -> float:
     return sorted(values)[min(int(q * len(values)), len(values) - 1)]
 
 
-def main(calls: int) -> None:
-    session = nbshard.session("bench", nproc=2, interrupt_grace=5)
-    session.run(init)
-    kinds = {"trivial": trivial, "value pulled": pulled, "one all_reduce": one_all_reduce}
-    times: dict[str, list[float]] = {name: [] for name in kinds}
-    for _ in range(5):  # warm-up
-        for fn in kinds.values():
-            timed_call(session, fn)
-    for _ in range(calls):
-        for name, fn in kinds.items():
-            times[name].append(timed_call(session, fn))
-    print(f"{calls} calls of each, alternating; 2 CPU ranks; warm start: {session.warm}")
-    for name, values in times.items():
-        print(f"  {name:16s} median {statistics.median(values) * 1000:6.2f} ms   p90 {quantile(values, 0.9) * 1000:6.2f} ms")
+def main(calls: int, alone: bool) -> None:
+    print(f"{os.cpu_count()} CPUs; {calls} calls of each kind per peer, in rounds of 10, peers alternated")
+    peers = start_peers(alone)
+    times = {(peer.name, kind): [] for peer in peers for kind in KINDS}  # type: ignore[attr-defined]
+    for peer in peers:  # warm-up
+        for fn, args in KINDS.values():
+            for _ in range(5):
+                timed(peer, fn, args)
+    time.sleep(SETTLE)
+    for _ in range(max(1, calls // 10)):
+        for peer in peers:
+            for kind, (fn, args) in KINDS.items():
+                times[peer.name, kind] += [timed(peer, fn, args) for _ in range(10)]  # type: ignore[attr-defined]
+    ours = peers[0]
+    print(f"2 CPU ranks, each in a gloo group; nbshard warm start: {ours.warm}")  # type: ignore[attr-defined]
+    for kind in KINDS:
+        base = statistics.median(times[ours.name, kind])  # type: ignore[attr-defined]
+        for peer in peers:
+            values = times[peer.name, kind]  # type: ignore[attr-defined]
+            median = statistics.median(values)
+            ratio = "" if peer is ours else f"   nbshard/peer {base / median:4.2f}"
+            print(f"  {kind:17s} {peer.name:20s} median {median * 1e3:6.2f} ms   p99 {quantile(values, 0.99) * 1e3:6.2f} ms{ratio}")  # type: ignore[attr-defined]
+    for peer in peers[1:]:
+        peer.close()  # type: ignore[attr-defined]
+    session = ours.session  # type: ignore[attr-defined]
     seconds, raised = time_to_interrupt(session, sleep_in_python, "sleeping")
     print(f"  interrupt, a call sleeping in Python: ended after {seconds:.3f} s ({raised}; session {session.state})")
     seconds, raised = time_to_interrupt(session, stuck_on_rank_0, "waiting")
@@ -99,4 +212,4 @@ def main(calls: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 300, "alone" in sys.argv[2:])

@@ -19,11 +19,14 @@ __all__ = [
     "write_atomic", "write_atomic_with", "write_json",
 ]
 
-_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+_OPEN_FLAGS = {
+    "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+    "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+}
 
 
 def open_private(path: Path | str, mode: str = "wb", **options: Any) -> Any:
-    """``open(path, mode)`` for writing (``"w"``/``"a"``, text or binary) that creates the file
+    """``open(path, mode)`` for writing (``"w"``/``"a"``/``"x"``, text or binary) that creates the file
     with mode 0600, not the umask's; ``options`` go to ``open`` (``buffering``, ``encoding``)."""
     fd = os.open(path, _OPEN_FLAGS[mode[0]] | os.O_CLOEXEC, 0o600)
     return os.fdopen(fd, mode, **options)

@@ -146,21 +146,30 @@ def _set_up_devices_again(obj: Any, state: dict[str, Any]) -> None:
     obj._setup_devices  # noqa: B018 - the access is the setup
 
 
-def _reduce_process_local(obj: Any, set_up_again: bool) -> Any:
+def _process_local_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """The classes whose objects carry this process's distributed state, among those imported:
+    (transformers' TrainingArguments, accelerate's states and Accelerator)."""
+    return (
+        _loaded_classes("transformers.training_args", ("TrainingArguments",)),
+        _loaded_classes(*_ACCELERATE_STATE) + _loaded_classes(*_ACCELERATE_ACCELERATOR),
+    )
+
+
+def _reduce_process_local(obj: Any, set_up_again: bool, classes: tuple[tuple[type, ...], tuple[type, ...]]) -> Any:
     """How to pickle an object that carries this process's distributed state, or NotImplemented.
 
     ``set_up_again``: in a job (the receiver is a rank), TrainingArguments set up their devices
     on arrival; in a result (the receiver is the kernel, which must stay GPU-free) they do so
-    only when asked, and meanwhile report no distributed state.
+    only when asked, and meanwhile report no distributed state. ``classes``: from
+    ``_process_local_classes``.
     """
-    training_args = _loaded_classes("transformers.training_args", ("TrainingArguments",))
+    training_args, accelerate = classes
     if training_args and isinstance(obj, training_args) and any(k in vars(obj) for k in _TRAINING_ARGS_DEVICE_STATE):
         rebuild, args, state, *_ = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         state = {k: v for k, v in state.items() if k not in _TRAINING_ARGS_DEVICE_STATE}
         if set_up_again:
             return rebuild, args, state, None, None, _set_up_devices_again
         return rebuild, args, {**state, "distributed_state": None}
-    accelerate = _loaded_classes(*_ACCELERATE_STATE) + _loaded_classes(*_ACCELERATE_ACCELERATOR)
     if accelerate and isinstance(obj, accelerate):
         raise ProcessLocalState(
             f"a {type(obj).__name__} describes the distributed setup of the process that made it (here: "
@@ -179,8 +188,15 @@ class _Pickler(cloudpickle.Pickler):
 
     set_up_again = True  # what it pickles is for a rank
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._process_local = _process_local_classes()  # looked up once per pickle, not per object
+        self._any_process_local = any(self._process_local)
+
     def reducer_override(self, obj: Any) -> Any:
-        reduced = _reduce_process_local(obj, self.set_up_again)
+        if not self._any_process_local:
+            return super().reducer_override(obj)
+        reduced = _reduce_process_local(obj, self.set_up_again, self._process_local)
         return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
 

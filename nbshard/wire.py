@@ -20,8 +20,10 @@ is checked.
 
 Message kinds:
 
-- ``lines``: ``{"rank", "lines": [[time, stream, text, is_update], ...]}``;
-  ``is_update`` marks a ``\\r`` rewrite of the rank's current line (progress bars).
+- ``lines``: ``{"rank", "time", "stream", "open", "text"}``: one or more lines of one
+  stream (``out``, ``err``), their texts joined by ``\\n`` (a line holds none); ``open`` marks
+  a rank's unfinished current line (a ``\\r`` rewrite of a progress bar, or a line still
+  waiting for its newline), sent alone.
 - ``dropped``: ``{"rank", "count", "log"}``: lines not streamed live because the
   kernel read too slowly; the log file still holds them.
 - ``event``: ``{"event", ...}``: lifecycle news from the launcher.

@@ -116,3 +116,21 @@ def test_tail_view_keeps_the_newest_lines_and_live_bars_below_them():
         "[nbshard]: 2 earlier lines not shown here; handle.logs(rank) has every line",
         "[rank0]: logged", "[rank0]: 100% done", "[nbshard]: finished",
     ]
+
+
+def test_the_live_backlog_keeps_the_newest_lines_and_hands_them_out_in_turns():
+    from nbshard.kernel.backlog import LIVE_BACKLOG, LiveBacklog
+
+    backlog = LiveBacklog("/runs/x")
+    per_rank = LIVE_BACKLOG * 6 // 10
+    for rank in range(3):  # each message a run of lines, as the launcher sends them
+        backlog.lines(rank, "out", [f"{rank}:{index}" for index in range(per_rank)], False)
+    backlog.note("done")
+    printer = LinePrinter()
+    first = "".join(backlog.feed(printer, most=1000)).splitlines()
+    dropped = 3 * per_rank + 1 - LIVE_BACKLOG
+    assert first[0].startswith(f"[nbshard]: {dropped} lines were not shown live")
+    newest_kept = 3 * per_rank - LIVE_BACKLOG + 1  # the first line of the newest LIVE_BACKLOG - 1 lines
+    assert first[1:] == [f"[rank1]: 1:{index}" for index in range(newest_kept - per_rank, newest_kept - per_rank + 1000)]
+    rest = "".join(backlog.feed(printer)).splitlines()
+    assert len(first) - 1 + len(rest) == LIVE_BACKLOG and rest[-2:] == [f"[rank2]: 2:{per_rank - 1}", "[nbshard]: done"]

@@ -212,6 +212,38 @@ def test_a_notebook_function_sees_the_sessions_names_and_keeps_what_it_binds(scr
     assert "SEEN [([\"the ranks' model\", 0], 0.1), ([\"the ranks' model\", 1], 0.1)]" in out
 
 
+def test_spawned_children_see_the_notebooks_class_as_the_latest_call_shipped_it(script, runs_dir):
+    # A session's rank keeps one file of the notebook's names for spawn-started children (DataLoader
+    # workers), rewritten only when a call ships other ones: a redefined class must reach them.
+    kernel = script(
+        """
+        import nbshard
+        session = nbshard.session(nproc=2)
+        class Squares:
+            def __len__(self): return 4
+            def __getitem__(self, i): return i * i
+        def total():
+            import torch
+            loader = torch.utils.data.DataLoader(Squares(), batch_size=4, num_workers=1, multiprocessing_context="spawn")
+            return int(sum(batch.sum() for batch in loader))
+        def quiet():
+            return 1
+        print("FIRST", session.run(total), session.run(total))
+        class Squares:
+            def __len__(self): return 4
+            def __getitem__(self, i): return i * i * 10
+        print("SECOND", session.run(total))
+        handle = session.submit(quiet); handle.result()
+        print("QUIET LOGS", sorted(p.name for p in handle.run_dir.iterdir() if p.name.endswith(".log")), repr(handle.logs(0)))
+        session.close()
+        """
+    )
+    code, out = kernel.finish(timeout=110)
+    assert code == 0, out
+    assert "FIRST 14 14" in out and "SECOND 140" in out, out
+    assert "QUIET LOGS [] ''" in out, out  # a call that prints nothing costs no log file
+
+
 def test_a_killed_kernel_takes_the_sessions_ranks_along_within_5_seconds(script, runs_dir):
     kernel = script(
         """

@@ -60,10 +60,12 @@ class JobHandle:
 
     def __init__(
         self, job: Job, world_size: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
-        samples: Iterable[dict[str, Any]] = (),
+        samples: Iterable[dict[str, Any]] = (), drain: bool = True,
     ) -> None:
         """``samples``: memory samples known before the job's own (a session's ranks hold memory
-        already), shown from the start."""
+        already), shown from the start. ``drain``: a thread of the handle's own reads ``receiver``;
+        without it, the owner hands each message to ``_on_message`` and calls ``_finish`` (a
+        session's one thread does, for call after call)."""
         self.job = job
         self.world_size = world_size
         """Ranks on all nodes (``job.nproc`` is ranks on each node)."""
@@ -103,10 +105,10 @@ class JobHandle:
             self._telemetry.add(sample)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
         self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
-        self._thread = threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True)
         with _running_lock:
             _running.add(self)
-        self._thread.start()
+        if drain:
+            threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True).start()
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.summary()}; run_dir={self.run_dir}>"
@@ -331,10 +333,10 @@ class JobHandle:
         """Record one message; True for the launcher's last one."""
         kind = message.get("kind")
         if kind == "lines":
-            rank = message["rank"]
-            self._received_lines[rank] += len(message["lines"])
-            self._live.lines(rank, message["lines"])
-            self._telemetry.last_line(rank, message["lines"][-1][2])
+            rank, texts = message["rank"], message["text"].split("\n")
+            self._received_lines[rank] += len(texts)
+            self._live.lines(rank, message["stream"], texts, message["open"])
+            self._telemetry.last_line(rank, texts[-1])
         elif kind in ("sample", "metrics"):
             self._telemetry.add(message)
         elif kind == "dropped":
@@ -412,10 +414,13 @@ class JobHandle:
             timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
         )
 
+    def _read_outcome(self, files: OpenedDir) -> RunOutcome | None:
+        return read_outcome(files, self._paths)
+
     def _finish(self) -> None:
         try:
             with OpenedDir(self._paths.path, self._identity) as files:
-                outcome = read_outcome(files, self._paths)  # read once: for the drop tally and the result
+                outcome = self._read_outcome(files)  # read once: for the drop tally and the result
                 self._note_unreported_drops(outcome)
                 self.attempts = list(outcome.attempts) if outcome else []
                 self._value, self._exception = self._collect(files, outcome)

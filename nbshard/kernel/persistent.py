@@ -10,10 +10,9 @@ job's. Nothing here imports torch.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import hashlib
 import itertools
-import queue
+import os
 import subprocess
 import threading
 import time
@@ -25,7 +24,7 @@ from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
 from nbshard.kernel.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
-from nbshard.files import OpenedDir, mkdir_private, write_atomic
+from nbshard.files import OpenedDir, mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
 from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
@@ -35,7 +34,6 @@ __all__ = ["Session", "SessionBusy", "session", "sessions"]
 
 DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
 CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
-END_SAMPLE_WAIT = 1.0  # how long a new call may wait for the last call's closing memory samples
 _SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port"}
 _CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
 
@@ -48,31 +46,20 @@ class SessionBusy(RuntimeError):
 
 
 class _CallChannel:
-    """One call as a JobHandle sees it: its messages (the receiver's verbs) and its end (the
-    launcher's verbs). The session's thread feeds it; cancel and kill go to the session."""
+    """One call's launcher, as its JobHandle sees it: cancel and kill go to the session, and the
+    call has ended (``poll``) once the session's thread saw its end."""
 
     note: str | None = None
 
     def __init__(self, session: Session) -> None:
         self.pid = session.pid
         self._session = session
-        self._messages: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._ended = threading.Event()
+        self.outcome: dict[str, Any] | None = None  # as the launcher's end message carried it
 
-    def put(self, message: dict[str, Any]) -> None:
-        self._messages.put(message)
-
-    def end(self) -> None:
+    def end(self, outcome: dict[str, Any] | None = None) -> None:
+        self.outcome = self.outcome or outcome
         self._ended.set()
-
-    def receive(self, timeout: float) -> list[dict[str, Any]]:
-        try:
-            messages = [self._messages.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while not self._messages.empty():
-            messages.append(self._messages.get_nowait())
-        return messages
 
     def poll(self) -> int | None:
         return 0 if self._ended.is_set() else None
@@ -94,14 +81,27 @@ class _CallChannel:
 
 
 class CallHandle(JobHandle):
-    """One call of a session: a ``JobHandle`` whose ending speaks of the session."""
+    """One call of a session: a ``JobHandle`` whose ending speaks of the session. The session's
+    thread hands it its messages and ends it (no thread of its own per call)."""
 
     def __init__(self, session: Session, job: Job, call_dir: RunDir, channel: _CallChannel, samples: Iterable[dict[str, Any]]) -> None:
         self._session = session
+        self._channel = channel
         self._metrics_from = session._metrics_offsets()  # the session's files hold every call's records
-        super().__init__(job, session.world_size, call_dir, channel, channel, samples)  # type: ignore[arg-type]
+        super().__init__(job, session.world_size, call_dir, channel, channel, samples, drain=False)  # type: ignore[arg-type]
         self.warm = session.warm
         self.stage = "running"  # in ranks that are up already
+
+    def _end(self, outcome: dict[str, Any] | None = None) -> None:
+        """The call ended (``outcome``: as the launcher's end message carried it); once only."""
+        if self._channel.poll() is None:
+            self._channel.end(outcome)
+            self._finish()
+
+    def _read_outcome(self, files: OpenedDir) -> RunOutcome | None:
+        if self._channel.outcome is not None:  # sent before the file is written: no need to wait for it
+            return RunOutcome.from_json(self._channel.outcome)
+        return super()._read_outcome(files)
 
     def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         value, error = super()._collect(files, outcome)
@@ -142,6 +142,7 @@ class Session:
             placeholder, None, session=True, interrupt_grace=self.interrupt_grace
         )
         self.run_dir = self._paths.path
+        mkdir_private(self.run_dir / "calls", exist_ok=True)
         self.pid = self._launcher.pid
         self.warm = isinstance(self._launcher, WarmLauncher)
         self.launch_note = self._launcher.note
@@ -150,7 +151,6 @@ class Session:
         self._names: set[str] = set()
         self._telemetry = Telemetry(self.world_size)
         self._last_samples: dict[int, dict[str, Any]] = {}
-        self._channels: dict[str, _CallChannel] = {}
         self._current: CallHandle | None = None
         self._numbers = itertools.count(1)
         self._thread = threading.Thread(target=self._dispatch, name=f"nbshard-session-{self.name}", daemon=True)
@@ -183,14 +183,12 @@ class Session:
                     f"session {self.name!r} is still running {self._current.job.label}: one call runs at a time. "
                     "Wait for it (handle.result()) or interrupt it (handle.cancel())."
                 )
-            if self._current is not None:
-                self._await_samples(since=self._current.started)
             call = f"{next(self._numbers):04d}"
             call_dir = RunDir(self.run_dir / "calls" / call)
-            mkdir_private(call_dir.path)
-            write_atomic(call_dir.job, payload)
+            os.mkdir(call_dir.path, 0o700)  # in calls/, made with the session
+            with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
+                job_file.write(payload)
             channel = _CallChannel(self)
-            self._channels[call] = channel
             # The memory the session holds shows from the call's start, before the call's first sample.
             self._current = CallHandle(self, job, call_dir, channel, list(self._last_samples.values()))
             digest = hashlib.sha256(payload).hexdigest()
@@ -209,19 +207,6 @@ class Session:
             except OSError:
                 offsets.append(0)
         return offsets
-
-    def _await_samples(self, since: float) -> None:
-        """Wait (``END_SAMPLE_WAIT`` s at most) until each rank's newest memory sample was taken
-        ``since`` the last call started. A rank sends one as each call ends, before its answer,
-        but on a connection of its own: it may arrive after the call's end, and the new call's view
-        starts from it."""
-        if self._options.get("sample_interval", 1.0) is None:
-            return
-        deadline = time.monotonic() + END_SAMPLE_WAIT
-        while time.monotonic() < deadline and any(
-            self._last_samples.get(rank, {}).get("time", 0.0) < since for rank in range(self.world_size)
-        ):
-            time.sleep(0.005)
 
     def run(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> Any:
         """Run ``target(*args)`` in every rank, show the output live, return rank 0's value."""
@@ -248,8 +233,8 @@ class Session:
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(_CALL_OPTIONS))}")
         grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
-        job = Job(target, args, nproc=self.world_size, grace=grace, **options)
-        return dataclasses.replace(job, name=f"{job.label} in session {self.name!r}")
+        label = options.pop("name", None) or getattr(target, "__qualname__", None) or repr(target)  # as Job.label
+        return Job(target, args, nproc=self.world_size, grace=grace, name=f"{label} in session {self.name!r}", **options)
 
     def _check_usable(self) -> None:
         if self.lost is not None:
@@ -311,39 +296,44 @@ class Session:
     # -- the session's thread ---------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Route the session's messages to the call they belong to, until the launcher ends."""
+        """Hand the session's messages to the call they belong to, and end each call, until the
+        launcher ends."""
         try:
             while self._launcher.poll() is None:
                 for message in self._receiver.receive(0.05):
                     self._route(message)
                 current = self._current
-                if current is not None and not current.done() and current._paths.outcome.exists():
-                    self._channels[current._paths.path.name].end()  # its end message is late, or lost
+                if current is not None and not current.done():
+                    if current._paths.outcome.exists():
+                        current._end()  # its end message is late, or lost
+                    elif time.monotonic() > current._kill_at:
+                        current._launcher.kill()  # a stop that did not end the call in time
         finally:
             for message in self._receiver.receive(0.05):
                 self._route(message)
             if self.state != "closed":
                 self._lose(self._launcher_reason() or "its launcher ended")
-            for channel in self._channels.values():
-                channel.end()
             self._launcher.close()
             self._receiver.close()
+            if self._current is not None:
+                self._current._end()
 
     def _route(self, message: dict[str, Any]) -> None:
-        kind, call = message.get("kind"), message.get("call")
+        kind, call, current = message.get("kind"), message.get("call"), self._current
+        running = current is not None and not current.done()
         if kind in ("sample", "metrics"):
             self._telemetry.add(message)
             if kind == "sample":
                 self._last_samples[message["rank"]] = message
-            current = self._current
-            if current is not None and not current.done():
-                self._channels[current._paths.path.name].put(message)
-        elif call in self._channels:
-            self._channels[call].put(message)
-            if kind == "end":
-                self._channels[call].end()
+            if running:
+                current._on_message(message)  # type: ignore[union-attr]
+        elif running and call == current._paths.path.name:  # type: ignore[union-attr]
+            for sample in message.get("samples", ()) if kind == "end" else ():  # what each rank holds after the call
+                self._route(sample)
+            if current._on_message(message):  # type: ignore[union-attr]
+                current._end(message.get("outcome"))  # type: ignore[union-attr]
         elif kind == "lines":
-            self._telemetry.last_line(message["rank"], message["lines"][-1][2])
+            self._telemetry.last_line(message["rank"], message["text"].rpartition("\n")[2])
 
     # -- lifetime -----------------------------------------------------------------
 

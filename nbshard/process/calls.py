@@ -24,6 +24,7 @@ from nbshard.rank import monitor
 __all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "write_error"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
+_main_written: dict[Path, bytes] = {}  # what each notebook-main file holds: a session rewrites it only on change
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbshard's code, all sides
 
 
@@ -63,7 +64,10 @@ def _install_notebook_main(objects: dict[str, Any], path: Path, keep: Callable[[
         from nbshard.pickling import dump_result
 
         try:
-            write_atomic(path, dump_result(shippable))
+            data = dump_result(shippable)
+            if _main_written.get(path) != data:
+                write_atomic(path, data)
+                _main_written[path] = data
             os.environ[NOTEBOOK_MAIN_ENV] = str(path)
         except Exception:  # noqa: BLE001 - only spawn children would miss them
             pass
@@ -140,12 +144,13 @@ def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def run_job(
     paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, call: Callable[..., Any] = call_job,
-    keep: Callable[[str, Any], bool] | None = None, announce: bool = True,
+    keep: Callable[[str, Any], bool] | None = None, announce: bool = True, main_file: Path | None = None,
 ) -> int:
     """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
     for this rank; returns the rank's exit code. A session runs each of its calls this way
     (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
-    the job is loaded and runs)."""
+    the job is loaded and runs; ``main_file``: where spawn-started children find the notebook's
+    names, ``paths``' own by default)."""
     from nbshard.pickling import write_result
 
     try:
@@ -157,7 +162,7 @@ def run_job(
             "job's cwd, or pass pickle_by_value=[module]."
         ))
         return 1
-    _install_notebook_main(_notebook_objects(fn, args, kwargs), paths.notebook_main(rank), keep)
+    _install_notebook_main(_notebook_objects(fn, args, kwargs), main_file or paths.notebook_main(rank), keep)
     if announce:  # loaded, its imports done: the cell says so (a session's calls run in ranks long up)
         monitor.send_stage("running")
     try:

@@ -32,6 +32,12 @@ class LineSplitter:
         self._sent_open: str | None = None
 
     def feed(self, data: bytes, now: float) -> list[list[Any]]:
+        """The lines ``data`` finished, each ``[now, stream, text, False]``."""
+        return [[now, self.stream, line, False] for line in self.feed_texts(data, now)]
+
+    def feed_texts(self, data: bytes, now: float) -> list[str]:
+        """The texts of the lines ``data`` finished (what a terminal shows of each, cut to
+        MAX_LINE); ``data`` empty: the stream ended."""
         text = self._partial + self._decoder.decode(data, final=not data)
         *finished, partial = text.split("\n")
         if "\r" in partial:  # a progress bar: keep what a terminal shows, however often it is redrawn
@@ -41,14 +47,15 @@ class LineSplitter:
         if not data and self._partial:  # end of stream: an unterminated last line
             finished.append(self._partial)
             self._partial = ""
-        # A bar cleared and then ended (tqdm's close with leave=False) is no line of output.
-        finished = [line for line in finished if "\r" not in line or _visible(line).strip()]
         if len(self._partial) > 100 * MAX_LINE:  # no newline for a long time
             finished.append(self._partial)
             self._partial = ""
         if finished:
             self._sent_open = None
-        return [[now, self.stream, _visible(line)[:MAX_LINE], False] for line in finished]
+        if "\r" not in text and max(map(len, finished), default=0) <= MAX_LINE:  # most output: each line as it is
+            return finished
+        # A bar cleared and then ended (tqdm's close with leave=False) is no line of output.
+        return [_visible(line)[:MAX_LINE] for line in finished if "\r" not in line or _visible(line).strip()]
 
     def end_line(self, now: float) -> list[Any] | None:
         """The unfinished line as a finished one (a session's call ended after printing it)."""

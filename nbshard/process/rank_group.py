@@ -33,6 +33,12 @@ from nbshard.wire import Sender
 __all__ = ["Driver", "RankGroup"]
 
 TICK = 0.1  # seconds between checks of exits, deadlines and open (\r) lines
+# How long a rank's finished lines may wait to travel with the next ones, and how many bytes of
+# them at most (the kernel may hold a thousand messages queued): a flood goes as a message a
+# millisecond or 16 KiB, not one per pipe read, which the kernel (checking and decoding each
+# message) could not keep up with, and lines would be dropped from the live view.
+COALESCE = 0.001
+COALESCE_BYTES = 1 << 14
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
@@ -62,6 +68,9 @@ class RankGroup:
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
         self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
+        self.pending: list[list[Any]] = []  # runs of finished lines not sent yet: [rank, time, stream, texts]
+        self.pending_since = 0.0
+        self.pending_bytes = 0
         self.dropped_total: dict[int, int] = {}
         self.lines_sent: dict[int, int] = {}  # queued for the kernel, by rank: it can tell what never arrived
         self.notes: list[str] = []
@@ -99,11 +108,18 @@ class RankGroup:
         """Flush (for ``linger`` seconds at most) and close the socket, ending ZeroMQ's threads
         (before forking ranks again)."""
         if self._sender is not None:
+            self.flush_lines()
             self._sender.close(None if linger is None else int(linger * 1000))
             self._sender = None
 
     def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
-        """Send without blocking (or ``wait`` at most); count lines the kernel was too slow to take."""
+        """Send without blocking (or ``wait`` at most), after the lines still waiting (they came
+        first); count lines the kernel was too slow to take."""
+        if self.pending:
+            self.flush_lines()
+        self._send(message, rank, lines, wait)
+
+    def _send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
         if rank is not None:
             self.send_dropped_notice(rank, wait)
         sent = self.sender.send(self.driver.tag(message), wait)
@@ -170,15 +186,41 @@ class RankGroup:
         else:
             self.selector.unregister(fd)
             proc.open_fds.discard(fd)
-        self.send_lines(proc.rank, proc.splitters[fd].feed(data, now))
+        splitter = proc.splitters[fd]
+        self.send_texts(proc.rank, now, splitter.stream, splitter.feed_texts(data, now))
 
     def send_open_lines(self, now: float) -> None:
         for proc in self.ranks:
             self.send_lines(proc.rank, [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None])
 
     def send_lines(self, rank: int, lines: list[list[Any]]) -> None:
-        if lines:
-            self.send({"kind": "lines", "rank": rank, "lines": lines}, rank, len(lines))
+        """A few ``lines`` (each ``[time, stream, text, is_open]``: open lines, a call's last), now."""
+        for time_, stream, text, is_open in lines:
+            self.send({"kind": "lines", "rank": rank, "time": time_, "stream": stream, "open": is_open, "text": text}, rank, 1)
+
+    def send_texts(self, rank: int, now: float, stream: str, texts: list[str]) -> None:
+        """Finished lines of one stream: sent within ``COALESCE`` seconds, with those that follow."""
+        if not texts:
+            return
+        if not self.pending:
+            self.pending_since = time.monotonic()
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last[0] == rank and last[2] == stream:
+            last[1] = now
+            last[3].extend(texts)
+        else:
+            self.pending.append([rank, now, stream, texts])
+        self.pending_bytes += sum(map(len, texts))
+        if self.pending_bytes >= COALESCE_BYTES:
+            self.flush_lines()
+
+    def flush_lines(self) -> None:
+        """Send the waiting lines, a message per run of one stream: its texts joined into one
+        string, not a JSON list per line (whose encoding was most of a flood's cost)."""
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
+        for rank, now, stream, texts in pending:
+            message = {"kind": "lines", "rank": rank, "time": now, "stream": stream, "open": False, "text": "\n".join(texts)}
+            self._send(message, rank, len(texts))
 
     def check_exits(self) -> None:
         for proc in self.ranks:
@@ -299,7 +341,8 @@ class RankGroup:
         last_tick = 0.0
         all_ended_at: float | None = None
         while True:
-            for key, _ in self.selector.select(TICK):
+            wait = TICK if not self.pending else max(0.0, self.pending_since + COALESCE - time.monotonic())
+            for key, _ in self.selector.select(wait):
                 if key.data is None:
                     self.driver.kernel_input(key.fd)
                 elif key.data is KERNEL:
@@ -312,6 +355,8 @@ class RankGroup:
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
+            if self.pending and now - self.pending_since >= COALESCE:
+                self.flush_lines()
             if self.signalled and self.stop_reason is None:
                 self.request_stop(self.signalled, stacks=True, grace=self.spec.grace)
             self.driver.tick(now)

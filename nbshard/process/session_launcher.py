@@ -6,9 +6,10 @@ that group's ``Driver``); what differs is here.
 The kernel writes one line per command on the launcher's stdin (a pipe only it
 holds): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``. The
 launcher passes ``CALL DIGEST ALL`` to each rank on a pipe of its own and collects
-their ``CALL STATUS COLLECTIVES`` answers; when every rank has answered it writes
-``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel
-reads it like a job's) and says so on the wire. A call that some rank cannot
+their ``CALL STATUS COLLECTIVES SAMPLE`` answers; when every rank has answered it says so on
+the wire (with the ranks' memory samples and the outcome), then writes
+``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel reads it
+like a job's). A call that some rank cannot
 leave, a rank that dies, or ranks whose collective counts disagree lose the
 session: every rank is stopped (with its stacks) rather than left to hang or to
 pair the wrong tensors in the next collective.
@@ -17,16 +18,18 @@ pair the wrong tensors in the next collective.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import selectors
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import likely_cause, signal_name
-from nbshard.files import open_private
+from nbshard.files import open_private, write_json
 from nbshard.job import RunDir
 from nbshard.process.launcher import FAILURE_GRACE
 from nbshard.process.rank_group import RankGroup
@@ -37,6 +40,24 @@ from nbshard.process.session_rank import PIPES_ENV
 __all__ = ["SessionLauncher"]
 
 REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, rank)
+
+
+class CallLog:
+    """A rank's log for one call, made when the rank first writes in it: a call that prints
+    nothing costs no file (``handle.logs(rank)`` reads a missing log as empty)."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self._file: Any = None
+
+    def write(self, data: bytes) -> int:
+        if self._file is None:
+            self._file = open_private(self.name, "ab", buffering=0)  # unbuffered: a full disk shows at once
+        return self._file.write(data)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 class SessionLauncher:
@@ -52,6 +73,7 @@ class SessionLauncher:
         self.call: str | None = None
         self.call_dir: RunDir | None = None
         self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
+        self.samples: list[str] = []  # the memory samples (JSON) the ranks answered with
         self.call_stopped: Status | None = None  # INTERRUPTED or TIMED_OUT when the call was asked to stop
         self.call_deadline = self.leave_by = float("inf")
         self.waiting_on = ""  # what ranks that have not left the call by leave_by are waiting on
@@ -91,9 +113,11 @@ class SessionLauncher:
             if line == b"ready":
                 self.ready.add(target)
                 continue
-            call, status, count = line.decode().split()
+            call, status, count, sample = line.decode().split(" ", 3)
             if call == self.call:
                 self.replies[target] = (status, None if count == "-" else int(count), time.time())
+                if sample != "null":
+                    self.samples.append(sample)
                 self.answered(target, status)
 
     def rank_ended(self, proc: Rank) -> None:
@@ -125,12 +149,13 @@ class SessionLauncher:
     def begin_call(self, call: str, digest: str, timeout: float, return_all: str) -> None:
         if self.call is not None or self.group.stop_reason is not None:
             return  # the kernel sends one call at a time, and none to a session it knows is ending
+        self.group.flush_lines()  # what the ranks printed between calls is no call's
         self.call, self.call_dir = call, RunDir(self.run_dir.path / "calls" / call)
-        self.replies, self.call_stopped, self.leave_by = {}, None, float("inf")
+        self.replies, self.samples, self.call_stopped, self.leave_by = {}, [], None, float("inf")
         self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         for proc in self.group.ranks:
             self.session_logs[proc.rank] = proc.log
-            proc.log = open_private(self.call_dir.log(proc.rank), "ab", buffering=0)  # noqa: SIM115 - closed in end_call
+            proc.log = CallLog(self.call_dir.log(proc.rank))
         for rank, fd in self.commands.items():
             os.write(fd, f"{call} {digest} {return_all}\n".encode())
 
@@ -215,13 +240,23 @@ class SessionLauncher:
                     self.group.read_output(proc, fd, now)
             self.group.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
         errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
-        RunOutcome(
+        outcome = RunOutcome(
             status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
             storage_error=self.group.storage_error,
             first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.group.first_failure,
             ranks=[self.rank_outcome(proc) for proc in self.group.ranks],
-        ).write(self.call_dir.outcome)
-        self.group.send({"kind": "end", "status": status, "storage_error": self.group.storage_error})
+        )
+        record = outcome.to_json()
+        samples = []
+        for sample in self.samples:
+            with contextlib.suppress(ValueError):
+                samples.append(json.loads(sample))
+        # The end carries the ranks' samples and the outcome, so the kernel has what the ranks hold
+        # after the call and need not wait for the file; the file (written next) is the record, and
+        # what the kernel reads when the message is late or lost.
+        self.group.send({"kind": "end", "status": status, "storage_error": self.group.storage_error,
+                         "outcome": record, "samples": samples})
+        write_json(self.call_dir.outcome, record)
         for proc in self.group.ranks:
             proc.log.close()
             proc.log = self.session_logs.pop(proc.rank)

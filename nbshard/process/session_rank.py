@@ -3,7 +3,8 @@
 The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST ALL``
 lines (the call's files are in ``calls/CALL`` of the session's run directory, and
 the job file must hash to DIGEST) and ``interrupt CALL``, on the other this rank
-answers ``ready`` once, then ``CALL STATUS COLLECTIVES`` when each call is over.
+answers ``ready`` once, then ``CALL STATUS COLLECTIVES SAMPLE`` when each call is over (SAMPLE:
+the rank's memory sample as JSON, ``null`` where memory is not sampled).
 End-of-file on the first closes the session.
 Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
 """
@@ -11,6 +12,7 @@ Nothing arrives on a socket, and nothing is unpickled that the kernel did not ha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -142,6 +144,7 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             _State.in_call = False
             _keep(namespace, shipped)
 
+    names_sent: list[str] | None = None  # rank 0's names as the kernel last read them
     while (line := commands.next()) is not None:
         if line.startswith("interrupt "):
             continue  # for a call that has ended
@@ -155,12 +158,14 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             status = "error"
         else:
             code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session, announce=False,
-                                  keep=lambda name, value: not is_notebook_code(value))
+                                  keep=lambda name, value: not is_notebook_code(value), main_file=run_dir.notebook_main(rank))
             status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
         _State.assigned = False
-        if rank == 0:
-            write_json(paths.names, sorted(name for name in namespace if not name.startswith("__")))
+        if rank == 0 and (names := sorted(name for name in namespace if not name.startswith("__"))) != names_sent:
+            write_json(paths.names, names)  # the kernel keeps the last call's names when a call writes none
+            names_sent = names
         count = collectives_issued()
-        monitor.send_sample()  # before the answer: the call's summary shows what the rank holds after it
-        os.write(write_fd, f"{call} {status} {'-' if count is None else count}\n".encode())
+        # What the rank holds after the call rides with its answer: the kernel has it before the call's end.
+        sample = monitor.take_sample()
+        os.write(write_fd, f"{call} {status} {'-' if count is None else count} {json.dumps(sample, separators=(',', ':'))}\n".encode())
     return 0

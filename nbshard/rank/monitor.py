@@ -21,7 +21,7 @@ from typing import Any
 from nbshard.files import open_private
 from nbshard.wire import Sender
 
-__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_sample", "send_stage"]
+__all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_stage", "take_sample"]
 
 LINGER_MS = 500  # a rank's exit waits at most this long for a slow kernel
 
@@ -73,12 +73,14 @@ class _AnonymousPeak(_Peak):
     def __init__(self) -> None:
         super().__init__()
         self.between = 0  # the last peak found between samples
+        self.between_resident = 0  # the high-water mark it was found at (file pages included)
         self._mark: int | None = None  # the high-water mark and file pages at the last sample
         self._file = 0
 
     def sample(self, anonymous: int, peak_resident: int, file_pages: int) -> int:
         if self._mark is not None and peak_resident > self._mark:
             self.between = max(peak_resident - max(self._file, file_pages), 0)
+            self.between_resident = peak_resident
             self(self.between)
         self._mark, self._file = peak_resident, file_pages
         return self(anonymous)
@@ -92,15 +94,16 @@ class _ProportionalMemory:
     that share them (PSS). A forked rank's resident size counts every page of torch it shares
     with the warm process and its sibling ranks as its own; the proportional share does not.
     Reading smaps_rollup costs milliseconds, so it is read at most once a second, and between
-    reads the shared part is taken as unchanged. The peaks come from those reads alone: an
-    estimate from a shared part that has since grown would overstate them."""
+    reads the shared part is taken as unchanged. The peaks come from those reads (an estimate
+    from a shared part that has since grown would overstate them), and from a spike between
+    samples (see ``sample_memory``)."""
 
     REFRESH = 1.0
 
     def __init__(self) -> None:
         self.on = False
         self._read_at = float("-inf")
-        self._shared = 0  # resident minus proportional, at the last read
+        self.shared = 0  # resident minus proportional, at the last read
         self.shared_anonymous = 0  # the same for anonymous memory
         self.peak = _Peak()
         self.peak_anonymous = _Peak()
@@ -112,14 +115,14 @@ class _ProportionalMemory:
                 for line in rollup:
                     if line.startswith(b"Pss:"):
                         exact = int(line.split()[1]) * 1024
-                        self._shared = max(rss - exact, 0)
+                        self.shared = max(rss - exact, 0)
                         self.peak(exact)
                     elif line.startswith(b"Pss_Anon:"):
                         exact = int(line.split()[1]) * 1024
                         self.shared_anonymous = max(anonymous - exact, 0)
                         self.peak_anonymous(exact)
             self._read_at = time.monotonic()
-        return max(rss - self._shared, 0), max(anonymous - self.shared_anonymous, 0)
+        return max(rss - self.shared, 0), max(anonymous - self.shared_anonymous, 0)
 
 
 _proportional = _ProportionalMemory()
@@ -210,7 +213,11 @@ def sample_memory() -> dict[str, Any]:
         with contextlib.suppress(OSError, ValueError):
             pss, anonymous_pss = _proportional(rss, anonymous)
             # A spike between samples is the rank's own memory: shared pages were there before it.
+            # It counts in both proportional peaks, with the shared parts of the same read, so the
+            # anonymous one never exceeds the whole (as it cannot; a shared part that has changed
+            # since that read moves both alike).
             _proportional.peak_anonymous(_peak_anonymous.between - _proportional.shared_anonymous)
+            _proportional.peak(_peak_anonymous.between_resident - _proportional.shared)
             sample.update(pss=pss, peak_pss=_proportional.peak.value, pss_anon=anonymous_pss,
                           peak_pss_anon=_proportional.peak_anonymous.value)
     return sample
@@ -229,6 +236,7 @@ class Monitor:
         self._lock = threading.Lock()  # the socket is shared by the sampler and user code
         self._stop = threading.Event()
         self._interval = interval
+        self.samples = bool(interval)  # whether memory is sampled at all
         self._thread: threading.Thread | None = None
         if interval:
             self._thread = threading.Thread(target=self._sample_until_stopped, name="nbshard-monitor", daemon=True)
@@ -241,11 +249,17 @@ class Monitor:
                 self._metrics_file.write(json.dumps(message, separators=(",", ":")) + "\n")
             self._sender.send(message)
 
-    def send_sample(self) -> None:
+    def sample(self) -> dict[str, Any] | None:
+        """A sample message, or None when sampling failed (a gap in a plot, never an error)."""
         try:
-            self.send({"kind": "sample", **sample_memory()})
-        except Exception:  # noqa: BLE001 - a lost sample is a gap in a plot; the thread goes on
-            pass
+            return {"kind": "sample", **sample_memory(), "rank": self.rank, "time": time.time()}
+        except Exception:  # noqa: BLE001 - telemetry must never fail the job
+            return None
+
+    def send_sample(self) -> None:
+        if (message := self.sample()) is not None:
+            with contextlib.suppress(Exception):  # a lost sample is a gap in a plot; the thread goes on
+                self.send(message)
 
     def _sample_until_stopped(self) -> None:
         self.send_sample()
@@ -270,10 +284,11 @@ def start(address: str, key: bytes, rank: int, interval: float | None, metrics_p
     return _active
 
 
-def send_sample() -> None:
-    """A sample now, between the interval's (a session's call just ended: show what the rank holds now)."""
-    if _active is not None:
-        _active.send_sample()
+def take_sample() -> dict[str, Any] | None:
+    """A sample message now, between the interval's, for the caller to send (a session's rank
+    hands it to its launcher with its answer, so it reaches the kernel before the call's end);
+    None where memory is not sampled (``sample_interval=None``, or outside a rank)."""
+    return _active.sample() if _active is not None and _active.samples else None
 
 
 def send_stage(stage: str) -> None:
