@@ -75,6 +75,17 @@ CELLS = [
     "        time.sleep(0.1)\n"
     "two_nodes = nbshard.submit(steady, nproc=1, nnodes=2, sample_interval=0.2)\n"
     "two_nodes.show_live()",
+    # 8: a job that logs metrics, watched: its live view draws them, and its memory, as it runs
+    "import os, time\n"
+    "def train(steps):\n"
+    "    for step in range(1, steps + 1):\n"
+    "        rank = int(os.environ['RANK'])\n"
+    "        nbshard.log_metrics(step=step, loss=2.0 / step ** 0.5 + 0.05 * rank, tokens_per_s=1000 + 10 * step + 50 * rank)\n"
+    "        time.sleep(0.1)\n"
+    "trained = nbshard.submit(train, 40, nproc=2, sample_interval=0.2)\n"
+    "trained.watch()",
+    # 9: the same job's charts, drawn larger
+    "trained.plot()",
 ]
 
 
@@ -194,9 +205,33 @@ def test_a_steady_job_on_two_nodes_reads_as_such(notebook):
     text = view.inner_text()
     assert "steady on 2 ranks (2 nodes x 1): succeeded" in text, text
     assert "earlier lines not shown here; handle.logs(rank) has every line" in text  # 60 lines, 20 shown
-    lines = view.locator("polyline")
+    lines = view.locator("table polyline")  # the sparklines (the charts below the table have their own)
     assert lines.count() == 2
     styles = [lines.nth(i).get_attribute("stroke-dasharray") for i in range(2)]
-    titles = [view.locator("svg title").nth(i).text_content() for i in range(2)]
+    titles = [view.locator("table svg title").nth(i).text_content() for i in range(2)]
     # A rank's memory that barely moves is drawn dashed (steady), one that moves is drawn solid.
     assert all((style is not None) == title.startswith("steady") for style, title in zip(styles, titles)), (styles, titles)
+
+
+def test_a_jobs_metrics_and_memory_are_drawn_live_and_as_a_plot(notebook):
+    notebook.run(8, wait=False)
+    view = notebook.cell(8).locator(".nbshard-job")
+    notebook.wait_for(lambda: view.count() and view.locator("svg[aria-label='loss']").count(), timeout=120)
+    running = view.locator("svg[aria-label='loss'] polyline").first.get_attribute("points")
+    notebook.screenshot("8-live-charts-running", of=8)
+    assert "running" in view.inner_text()  # drawn while the job runs, not only at its end
+    notebook.wait_for(lambda: notebook.prompt(8) not in ("*", ""), timeout=120)
+    notebook.screenshot("8-live-charts-done", of=8)
+    assert len(notebook.outputs(8, "text/html")) == 1  # one view, updated in place
+    for label in ("loss", "tokens_per_s"):
+        chart = view.locator(f"svg[aria-label='{label}']")
+        assert chart.count() == 1 and chart.locator("polyline").count() == 2, label  # a line per rank
+    assert view.locator("svg[aria-label*='memory']").count() == 1
+    assert view.locator("svg[aria-label='loss'] polyline").first.get_attribute("points") != running  # it grew
+
+    notebook.run(9)
+    plot = notebook.cell(9).locator(".nbshard-plot")
+    notebook.screenshot("9-plot", of=9)
+    labels = [svg.get_attribute("aria-label") for svg in plot.locator("svg").all()]
+    assert labels[1:] == ["loss", "tokens_per_s"] and "memory" in labels[0], labels
+    assert "succeeded" in plot.inner_text() and "rank 1" in plot.inner_text()

@@ -209,8 +209,9 @@ def sparkline_svg(values: Sequence[float], width: int = 120, height: int = 24) -
     )
 
 
-def render_html(title: str, ranks: Sequence[RankView], tail: str = "") -> str:
-    """The live view as one self-contained HTML fragment: a table per rank, then the newest lines."""
+def render_html(title: str, ranks: Sequence[RankView], tail: str = "", charts: str = "") -> str:
+    """The live view as one self-contained HTML fragment: a table per rank, the ``charts``
+    (HTML), then the newest lines."""
     cell = 'style="padding:2px 8px;text-align:left"'
     header = "".join(f"<th {cell}>{name}</th>" for name in ("rank", "memory", "peak", "over time", "metrics", "last line"))
     rows = "".join(
@@ -229,7 +230,8 @@ def render_html(title: str, ranks: Sequence[RankView], tail: str = "") -> str:
     pre = f'<pre style="margin:4px 0;white-space:pre-wrap;overflow-wrap:anywhere">{html.escape(tail)}</pre>' if tail else ""
     return (
         f'<div class="nbshard-job"><div><b>{html.escape(title)}</b></div>'
-        f'<table style="border-collapse:collapse;font-size:90%"><tr>{header}</tr>{rows}</table>{pre}</div>'
+        f'<table style="border-collapse:collapse;font-size:90%"><tr>{header}</tr>{rows}</table>'
+        f'{f"<div>{charts}</div>" if charts else ""}{pre}</div>'
     )
 
 

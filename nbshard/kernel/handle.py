@@ -24,6 +24,7 @@ from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
 from nbshard.kernel.outcome import collect, read_outcome
+from nbshard.kernel.plots import Plot, charts_html, charts_of
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
 
@@ -36,6 +37,7 @@ LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far m
 # cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
 LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
 MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
+LIVE_CHART_SIZE = (300, 160)  # pixels of each chart in a live view (handle.plot() draws them larger)
 
 _running: set[JobHandle] = set()
 _running_lock = threading.Lock()
@@ -270,11 +272,25 @@ class JobHandle:
         self.add_done_callback(update)  # the last view, after earlier callbacks (e.g. pulls) ran
 
     def _render_view(self, tail: TailView | None = None) -> tuple[str, str]:
-        """(HTML, text) of the live view: summary, each rank's memory and metrics, newest lines."""
+        """(HTML, text) of the live view: summary, each rank's memory and metrics, their charts
+        once there is a curve to draw, newest lines."""
         title, views = self.summary(), self._telemetry.views()
         lines = tail.render() if tail is not None else ""
         text = render_text(title, views) + (f"\n{lines}" if lines else "")
-        return render_html(title, views, lines), text
+        return render_html(title, views, lines, self._live_charts()), text
+
+    def _live_charts(self) -> str:
+        memory, metrics = self._telemetry.memory(), self._telemetry.metrics()
+        if len(memory) < 2 * self.world_size and not metrics:
+            return ""  # a memory chart of one point per rank says less than the table
+        return charts_html(charts_of(memory, metrics, self.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
+
+    def plot(self) -> Plot:
+        """Each rank's memory over time (anonymous or its proportional share, and GPU where it
+        used one) and each ``log_metrics`` series per rank (over steps where every record has
+        one, else seconds), as charts that show in the notebook; ``.save(path)`` writes them
+        as an HTML file. Self-contained SVG: nothing is fetched, no plotting library needed."""
+        return Plot(charts_of(self.memory(), self.metrics(), self.started), title=self.summary())
 
     # -- telemetry -----------------------------------------------------------
 

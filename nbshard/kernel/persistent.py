@@ -26,6 +26,7 @@ from nbshard.kernel.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
 from nbshard.files import OpenedDir, mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
+from nbshard.kernel.plots import Plot, charts_of
 from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files
@@ -147,6 +148,7 @@ class Session:
         self.warm = isinstance(self._launcher, WarmLauncher)
         self.launch_note = self._launcher.note
         self.state = "running"  # "diverged", "lost" or "closed" later
+        self.started = time.time()
         self.lost: SessionLost | None = None
         self._names: set[str] = set()
         self._telemetry = Telemetry(self.world_size)
@@ -164,6 +166,11 @@ class Session:
 
     def _repr_html_(self) -> str:
         return render_html(self.summary(), self._telemetry.views(gone=self.state in ("closed", "lost")), "")
+
+    def plot(self) -> Plot:
+        """Each rank's memory and every ``log_metrics`` series since the session started (all its
+        calls), drawn as ``handle.plot()`` draws a job's."""
+        return Plot(charts_of(self._telemetry.memory(), self._telemetry.metrics(), self.started), title=self.summary())
 
     @property
     def names(self) -> set[str]:

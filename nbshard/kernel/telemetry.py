@@ -9,7 +9,7 @@ from typing import Any
 
 from nbshard.kernel.display import RankView
 
-__all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "to_frame"]
+__all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "shown_bytes", "to_frame"]
 
 HISTORY = 120  # memory points per rank kept for the live plot
 KEPT = 100_000  # memory and metrics records kept in the kernel while a job runs (the newest)
@@ -86,7 +86,7 @@ class Telemetry:
                 records = _records_of_sample(message)
                 self._memory.extend(records)
                 self._latest[rank] = records[0]
-                device, shown = _shown_bytes(records[0])
+                device, shown = shown_bytes(records[0])
                 true_peak = records[0][_PEAK_FIELD[device]] or 0
                 self._history[rank].append(shown)
                 self._peak[rank] = max(self._peak.get(rank, 0.0), shown, float(true_peak))
@@ -125,7 +125,7 @@ class Telemetry:
             views = []
             for rank in range(self.nproc):
                 latest = self._latest.get(rank)
-                device, current = _shown_bytes(latest) if latest else ("", None)
+                device, current = shown_bytes(latest) if latest else ("", None)
                 views.append(RankView(
                     rank=rank, device=device, current=None if gone else current, peak=self._peak.get(rank), gone=gone,
                     history=list(self._history[rank]), metrics=dict(self._last_metrics.get(rank, {})),
@@ -148,7 +148,7 @@ _PEAK_FIELD = {
 }
 
 
-def _shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
+def shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
     """The memory that reflects a rank's footprint: its GPU's when it uses one, else its anonymous
     CPU memory (without file pages: a memory-mapped checkpoint is the page cache's, not the
     rank's), as its proportional share when it was forked from the warm process and shares pages."""
