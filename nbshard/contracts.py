@@ -72,6 +72,7 @@ class LaunchSpec:
     return_all: bool = False
     sys_path: list[str] = dataclasses.field(default_factory=list)
     sample_interval: float | None = 1.0
+    profile: bool = False  # each rank runs the job under torch.profiler
     kernel_pid: int | None = None  # the launcher's parent that waits for the run (a kernel, an actor, a task)
     kernel: str | None = None  # the kernel as "pid:start time" (runs.py prunes dead kernels' runs)
     session: bool = False  # the ranks stay up and run call after call

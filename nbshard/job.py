@@ -111,6 +111,9 @@ class Job:
     saves checkpoints resumes from its last one); with several nodes, every node. Cancel, timeout
     and a full disk never restart."""
     name: str | None = None
+    profile: bool = False
+    """Run the job under ``torch.profiler`` in every rank: each rank's trace (Perfetto,
+    TensorBoard) and a summary of its top operators and communication share (``handle.profile()``)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -155,6 +158,8 @@ def _validate(job: Job) -> None:
         raise ValueError(f"nproc must be a positive integer, got {job.nproc!r}")
     if isinstance(job.nnodes, bool) or not isinstance(job.nnodes, int) or job.nnodes < 1:
         raise ValueError(f"nnodes must be a positive integer, got {job.nnodes!r}")
+    if not isinstance(job.profile, bool):
+        raise TypeError(f"profile must be True or False, got {job.profile!r}")
     if job.gpus is not None:
         if isinstance(job.gpus, (str, bytes)) or not isinstance(job.gpus, Sequence):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs, e.g. [0, 1]; got {job.gpus!r}")
@@ -270,6 +275,10 @@ class RunDir:
     def names(self) -> Path:
         """A session call's: the names rank 0's namespace holds after the call."""
         return self.path / "names.json"
+
+    def profile(self, rank: int) -> Path:
+        """A rank's profile summary (``profile=True``); its trace is in ``profile/``."""
+        return self.path / f"profile-{rank}.json"
 
     def notebook_main(self, rank: int) -> Path:
         """The notebook's classes and functions, for spawn-started children of a rank."""

@@ -37,6 +37,12 @@ class CellResult:
                 return message["content"]["execution_count"]
         return None
 
+    def html(self, new_only: bool = False) -> list[str]:
+        """The HTML of each display (``new_only``) or display and update of one, in order."""
+        kinds = ("display_data",) if new_only else ("display_data", "update_display_data")
+        return [m["content"]["data"]["text/html"] for m in self.messages
+                if m["msg_type"] in kinds and "text/html" in m["content"].get("data", {})]
+
     @property
     def traceback(self) -> str:
         """The error as the notebook shows it, without colours."""

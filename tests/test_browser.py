@@ -86,6 +86,14 @@ CELLS = [
     "trained.watch()",
     # 9: the same job's charts, drawn larger
     "trained.plot()",
+    # 10: a cell profiled in every rank
+    "%%shard_train --nproc 2 --profile\n"
+    "import torch, torch.distributed as dist\n"
+    "dist.init_process_group('gloo')\n"
+    "x = torch.randn(128, 128)\n"
+    "for _ in range(10):\n"
+    "    x = torch.tanh(x @ x)\n"
+    "    dist.all_reduce(x)\n",
 ]
 
 
@@ -235,3 +243,14 @@ def test_a_jobs_metrics_and_memory_are_drawn_live_and_as_a_plot(notebook):
     labels = [svg.get_attribute("aria-label") for svg in plot.locator("svg").all()]
     assert labels[1:] == ["loss", "tokens_per_s"] and "memory" in labels[0], labels
     assert "succeeded" in plot.inner_text() and "rank 1" in plot.inner_text()
+
+
+def test_a_profiled_cell_shows_each_ranks_top_operators_and_trace(notebook):
+    notebook.run(10, timeout=180)
+    report = notebook.cell(10).locator(".nbshard-profile")
+    notebook.wait_for(lambda: report.count() == 1, timeout=30)
+    report.scroll_into_view_if_needed()
+    notebook.screenshot("10-profile")
+    text = report.inner_text()
+    assert "rank 0" in text and "rank 1" in text and "communication" in text, text
+    assert "aten::mm" in text and "c10d::allreduce_" in text and ".pt.trace.json" in text, text

@@ -110,8 +110,7 @@ def test_the_live_view_in_a_notebook_draws_the_charts_while_the_job_runs(kernel)
         timeout=110,
     )
     assert result.status == "ok", result.traceback
-    views = [m["content"]["data"]["text/html"] for m in result.messages
-             if m["msg_type"] in ("display_data", "update_display_data") and "text/html" in m["content"].get("data", {})]
+    views = result.html()
     drawn = [view for view in views if 'aria-label="loss"' in view]
     running = [view for view in drawn if ": running after" in view]
     assert len(set(running)) >= 2, len(views)  # redrawn in place as the job runs

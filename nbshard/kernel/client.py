@@ -144,7 +144,7 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
             env=dict(job.env), gpus=None if job.gpus is None else list(job.gpus),
             backend_options=dict(job.backend_options), run_id=run_dir.path.name,
             return_all=job.return_all, sys_path=[os.path.abspath(p) for p in sys.path],
-            sample_interval=job.sample_interval, kernel_pid=os.getpid(), kernel=process_identity(os.getpid()),
+            sample_interval=job.sample_interval, profile=job.profile, kernel_pid=os.getpid(), kernel=process_identity(os.getpid()),
             **session,
         ).write(run_dir.launch)
         env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)

@@ -21,10 +21,11 @@ from nbshard.kernel.backlog import LiveBacklog
 from nbshard.contracts import Attempt, RunOutcome
 from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
-from nbshard.files import OpenedDir, RunDirReplaced, identity
+from nbshard.files import OpenedDir, RunDirReplaced, identity, read_json
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
 from nbshard.kernel.outcome import collect, read_outcome
 from nbshard.kernel.plots import Plot, charts_html, charts_of
+from nbshard.kernel.profiles import ProfileReport
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
 
@@ -223,6 +224,18 @@ class JobHandle:
             out.flush()
             if live is not None:
                 live.update()  # the summary stays in the cell
+            if self.job.profile and self.done():
+                self._show_profile(out, in_notebook_cell=live is not None)
+
+    def _show_profile(self, out: Any, in_notebook_cell: bool) -> None:
+        report = self.profile()
+        if in_notebook_cell:
+            from IPython.display import display
+
+            display(report)
+        else:
+            out.write(f"{report!r}\n")
+            out.flush()
 
     def _interrupted(self) -> BaseException:
         """What an interrupt raises once the job has ended."""
@@ -284,6 +297,27 @@ class JobHandle:
         if len(memory) < 2 * self.world_size and not metrics:
             return ""  # a memory chart of one point per rank says less than the table
         return charts_html(charts_of(memory, metrics, self.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
+
+    def profile(self) -> ProfileReport:
+        """A job run with ``profile=True``: per rank, the operators with the most self time and
+        the share of communication, and its trace file (``.traces``), once the job ended."""
+        if not self.job.profile:
+            raise ValueError(f"{self.job.label} was not profiled: run it with profile=True (%%shard_train --profile)")
+        if not self.done():
+            raise RuntimeError(f"{self.job.label} is still running: each rank writes its profile when the job ends; "
+                               "wait for it (handle.result()) first")
+        summaries, missing = {}, []
+        for rank in range(self.world_size):
+            # On several nodes a rank writes in its node's directory, inside this run's.
+            found = next(iter(sorted(self.run_dir.glob(f"**/{self._paths.profile(rank).name}"))), None)
+            try:
+                summaries[rank] = read_json(found) if found is not None else None
+            except (OSError, ValueError):
+                summaries[rank] = None
+            if summaries[rank] is None:
+                del summaries[rank]
+                missing.append(rank)
+        return ProfileReport(self.summary(), summaries, missing)
 
     def plot(self) -> Plot:
         """Each rank's memory over time (anonymous or its proportional share, and GPU where it

@@ -116,6 +116,8 @@ class ShardMagics(Magics):
     @argument("--show-ranks", default=None, metavar="RANKS", help="comma-separated ranks whose output is shown live")
     @argument("--noblock", nargs="?", const="job", default=None, metavar="NAME",
               help="return at once; bind the job handle to NAME (default: job); pulled names are bound when it ends")
+    @argument("--profile", action="store_true",
+              help="run under torch.profiler in every rank: each rank's top operators and trace file are shown at the end")
     @argument("--session", default=None, metavar="NAME",
               help="run in the persistent session NAME (started on first use): its ranks and their names stay between cells")
     @cell_magic
@@ -136,6 +138,9 @@ class ShardMagics(Magics):
         pull = _names(args.pull)
         if args.session and args.nnodes != 1:
             raise UsageError("%%shard_train: a session runs on one node; drop --nnodes or --session")
+        if args.session and args.profile:
+            raise UsageError("%%shard_train: --profile profiles a job's ranks from start to end; a session's cells are "
+                             "not profiled (drop --session, or use torch.profiler in the cell)")
         if args.session and args.max_restarts:
             raise UsageError("%%shard_train: --max-restarts starts a failed job's ranks again; a session keeps its "
                              "ranks between cells (after a failure, %shard_session NAME --restart)")
@@ -190,7 +195,7 @@ class ShardMagics(Magics):
                         "pull": pull, "pull_all": args.pull_all},
                 nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts, nnodes=args.nnodes,
+                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts, nnodes=args.nnodes, profile=args.profile,
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:

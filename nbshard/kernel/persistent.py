@@ -229,6 +229,11 @@ class Session:
                 f"not per call; a call takes {', '.join(sorted(_CALL_OPTIONS))}"
             )
         if isinstance(target, Job):
+            if target.profile:
+                raise TypeError(
+                    "profile=True profiles a job's ranks from start to end; a session's calls are not profiled: "
+                    "run the code as a job (nbshard.run(fn, profile=True)), or use torch.profiler inside the call"
+                )
             if target.max_restarts:
                 raise TypeError(
                     "max_restarts starts a failed job's ranks again, but a session keeps its ranks between "

@@ -22,7 +22,7 @@ from typing import Any
 
 from nbshard.rank import monitor
 from nbshard.contracts import LaunchSpec
-from nbshard.process.calls import NOTEBOOK_MAIN_ENV, run_job
+from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
 from nbshard.files import open_private
 from nbshard.process.fresh import MAIN_NAMES
 from nbshard.job import RunDir
@@ -76,7 +76,12 @@ def _run(run_dir: RunDir, rank: int) -> int:
         from nbshard.process import session_rank
 
         return session_rank.serve(run_dir, rank, launch)
-    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all)
+    call = call_job
+    if launch.profile:
+        from nbshard.rank.profiling import profiled
+
+        call = profiled(run_dir, rank, call_job)
+    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all, call=call)
 
 
 def _exit(code: int) -> None:
