@@ -321,3 +321,16 @@ def test_interrupting_a_session_cell_with_a_rank_stuck_in_a_collective_raises_se
     assert "rank 0 did not leave the call within 2 s of the interrupt" in lost.traceback
     assert "Cell In[" in lost.traceback and "dist.barrier()" in lost.traceback  # where rank 0 was
     assert "--restart" in lost.traceback
+
+
+def test_a_done_callback_may_run_the_next_call_and_wait_for_it(session):
+    # The session's thread ends each call; a callback that waits for another call must not run on it.
+    chained = []
+    first = session.submit(jobs.pid)
+    first.add_done_callback(lambda done: chained.append(session.run(jobs.pid)))
+    first.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while not chained:
+        assert time.monotonic() < deadline, "the chained call never ended"
+        time.sleep(0.05)
+    assert chained == [first.result()]

@@ -486,6 +486,10 @@ class JobHandle:
             self._done.set()
             self._live.wake()
             callbacks, self._callbacks = self._callbacks, []
+        if callbacks:
+            self._run_callbacks(callbacks)
+
+    def _run_callbacks(self, callbacks: list[Callable[[JobHandle], Any]]) -> None:
         for callback in callbacks:
             try:
                 callback(self)

@@ -99,6 +99,12 @@ class CallHandle(JobHandle):
             self._channel.end(outcome)
             self._finish()
 
+    def _run_callbacks(self, callbacks: list[Callable[[JobHandle], Any]]) -> None:
+        # Not on the session's thread, which ended this call: a callback may start the next call
+        # and wait for it, and only that thread can end it.
+        threading.Thread(target=super()._run_callbacks, args=(callbacks,), name=f"nbshard-done-{self._paths.path.name}",
+                         daemon=True).start()
+
     def _read_outcome(self, files: OpenedDir) -> RunOutcome | None:
         if self._channel.outcome is not None:  # sent before the file is written: no need to wait for it
             return RunOutcome.from_json(self._channel.outcome)
