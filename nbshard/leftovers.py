@@ -29,8 +29,13 @@ TEMP_PREFIXES = ("nbshard-warm-", "nbshard-node-", "nbshard-wire-")
 def hold_alive(directory: Path) -> int:
     """Lock ``directory`` as in use for as long as the returned descriptor (and any process it
     is passed to) stays open; not inherited across ``exec`` unless passed on purpose."""
-    fd = os.open(directory / ALIVE, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    # Locked under another name, then renamed: a sweep never finds the lock file unlocked while
+    # its owner lives (a sweep that tested it between its creation and its lock removed a new
+    # directory), and a directory without one is not judged at all.
+    locking = directory / f"{ALIVE}.{os.getpid()}"
+    fd = os.open(locking, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # blocks only while a sweep tests the lock, a moment
+    os.rename(locking, directory / ALIVE)
     return fd
 
 

@@ -73,14 +73,12 @@ class _AnonymousPeak(_Peak):
     def __init__(self) -> None:
         super().__init__()
         self.between = 0  # the last peak found between samples
-        self.between_resident = 0  # the high-water mark it was found at (file pages included)
         self._mark: int | None = None  # the high-water mark and file pages at the last sample
         self._file = 0
 
     def sample(self, anonymous: int, peak_resident: int, file_pages: int) -> int:
         if self._mark is not None and peak_resident > self._mark:
             self.between = max(peak_resident - max(self._file, file_pages), 0)
-            self.between_resident = peak_resident
             self(self.between)
         self._mark, self._file = peak_resident, file_pages
         return self(anonymous)
@@ -105,22 +103,25 @@ class _ProportionalMemory:
         self._read_at = float("-inf")
         self.shared = 0  # resident minus proportional, at the last read
         self.shared_anonymous = 0  # the same for anonymous memory
+        self.file_share = 0  # proportional minus anonymous proportional (file pages' share), at the last read
         self.peak = _Peak()
         self.peak_anonymous = _Peak()
 
     def __call__(self, rss: int, anonymous: int) -> tuple[int, int]:
         """(PSS, anonymous PSS) for this resident and anonymous size."""
         if time.monotonic() - self._read_at >= self.REFRESH:
+            pss = pss_anonymous = 0
             with open("/proc/self/smaps_rollup", "rb") as rollup:
                 for line in rollup:
                     if line.startswith(b"Pss:"):
-                        exact = int(line.split()[1]) * 1024
-                        self.shared = max(rss - exact, 0)
-                        self.peak(exact)
+                        pss = int(line.split()[1]) * 1024
+                        self.shared = max(rss - pss, 0)
+                        self.peak(pss)
                     elif line.startswith(b"Pss_Anon:"):
-                        exact = int(line.split()[1]) * 1024
-                        self.shared_anonymous = max(anonymous - exact, 0)
-                        self.peak_anonymous(exact)
+                        pss_anonymous = int(line.split()[1]) * 1024
+                        self.shared_anonymous = max(anonymous - pss_anonymous, 0)
+                        self.peak_anonymous(pss_anonymous)
+            self.file_share = max(pss - pss_anonymous, 0)
             self._read_at = time.monotonic()
         return max(rss - self.shared, 0), max(anonymous - self.shared_anonymous, 0)
 
@@ -213,11 +214,13 @@ def sample_memory() -> dict[str, Any]:
         with contextlib.suppress(OSError, ValueError):
             pss, anonymous_pss = _proportional(rss, anonymous)
             # A spike between samples is the rank's own memory: shared pages were there before it.
-            # It counts in both proportional peaks, with the shared parts of the same read, so the
-            # anonymous one never exceeds the whole (as it cannot; a shared part that has changed
-            # since that read moves both alike).
-            _proportional.peak_anonymous(_peak_anonymous.between - _proportional.shared_anonymous)
-            _proportional.peak(_peak_anonymous.between_resident - _proportional.shared)
+            # It counts in both proportional peaks: the whole adds the last read's share of file
+            # pages, so it never falls below the anonymous part. Both err low, never high: the
+            # anonymous pages shared with the warm process only get fewer (copy on write), and
+            # file pages faulted in since the read are left out.
+            spike = _peak_anonymous.between - _proportional.shared_anonymous
+            _proportional.peak_anonymous(spike)
+            _proportional.peak(spike + _proportional.file_share)
             sample.update(pss=pss, peak_pss=_proportional.peak.value, pss_anon=anonymous_pss,
                           peak_pss_anon=_proportional.peak_anonymous.value)
     return sample
