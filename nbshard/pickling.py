@@ -191,11 +191,8 @@ class _Pickler(cloudpickle.Pickler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._process_local = _process_local_classes()  # looked up once per pickle, not per object
-        self._any_process_local = any(self._process_local)
 
     def reducer_override(self, obj: Any) -> Any:
-        if not self._any_process_local:
-            return super().reducer_override(obj)
         reduced = _reduce_process_local(obj, self.set_up_again, self._process_local)
         return super().reducer_override(obj) if reduced is NotImplemented else reduced
 

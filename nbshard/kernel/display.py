@@ -70,8 +70,6 @@ class LinePrinter:
         return out
 
     def line(self, rank: int, stream: str, text: str, is_open: bool) -> str:
-        if not is_open and self._bottom is None and not self._open and self.show_ranks is None:
-            return f"[rank{rank}]: {text}\n"  # most lines: no bar to redraw (as rank_prefix writes it)
         if not self.shows(rank):
             return ""
         key, shown = (rank, stream), rank_prefix(rank) + text
@@ -85,8 +83,8 @@ class LinePrinter:
 
     def line_run(self, rank: int, stream: str, texts: list[str], is_open: bool) -> str:
         """Several lines of one stream, as ``line`` would write them one by one."""
-        if not is_open and self._bottom is None and not self._open and self.show_ranks is None:
-            prefix = f"[rank{rank}]: "  # as rank_prefix writes it
+        if not is_open and self._bottom is None and not self._open and self.shows(rank):  # no bar to redraw
+            prefix = rank_prefix(rank)
             return prefix + f"\n{prefix}".join(texts) + "\n"
         return "".join(self.line(rank, stream, text, is_open) for text in texts)
 

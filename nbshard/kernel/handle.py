@@ -306,17 +306,14 @@ class JobHandle:
         if not self.done():
             raise RuntimeError(f"{self.job.label} is still running: each rank writes its profile when the job ends; "
                                "wait for it (handle.result()) first")
-        summaries, missing = {}, []
-        for rank in range(self.world_size):
-            # On several nodes a rank writes in its node's directory, inside this run's.
-            found = next(iter(sorted(self.run_dir.glob(f"**/{self._paths.profile(rank).name}"))), None)
-            try:
-                summaries[rank] = read_json(found) if found is not None else None
-            except (OSError, ValueError):
-                summaries[rank] = None
-            if summaries[rank] is None:
-                del summaries[rank]
-                missing.append(rank)
+        # On several nodes a rank writes in its node's directory, inside this run's: one walk finds all.
+        wanted = {self._paths.profile(rank).name: rank for rank in range(self.world_size)}
+        found = {wanted[path.name]: path for path in sorted(self.run_dir.rglob("*.json")) if path.name in wanted}
+        summaries = {}
+        for rank, path in found.items():
+            with contextlib.suppress(OSError, ValueError):
+                summaries[rank] = read_json(path)
+        missing = [rank for rank in range(self.world_size) if rank not in summaries]
         return ProfileReport(self.summary(), summaries, missing)
 
     def plot(self) -> Plot:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nbshard.kernel.telemetry import shown_bytes
+from nbshard.kernel.telemetry import shown_bytes, shown_cpu_bytes
 
 __all__ = ["Chart", "Plot", "charts_html", "charts_of"]
 
@@ -72,7 +72,7 @@ def charts_of(memory: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]
         at = record["time"] - started
         if record.get("gpu_allocated") is not None:
             gpu.setdefault(record["rank"], []).append((at, shown_bytes(record)[1]))
-        kind, value = shown_bytes({**record, "gpu_allocated": None})
+        kind, value = shown_cpu_bytes(record)
         cpu_kind = cpu_kind or kind
         cpu.setdefault(record["rank"], []).append((at, value))
     charts = []

@@ -9,7 +9,7 @@ from typing import Any
 
 from nbshard.kernel.display import RankView
 
-__all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "shown_bytes", "to_frame"]
+__all__ = ["KEPT", "Telemetry", "metrics_record", "read_metrics_files", "shown_bytes", "shown_cpu_bytes", "to_frame"]
 
 HISTORY = 120  # memory points per rank kept for the live plot
 KEPT = 100_000  # memory and metrics records kept in the kernel while a job runs (the newest)
@@ -154,6 +154,11 @@ def shown_bytes(record: dict[str, Any]) -> tuple[str, float]:
     rank's), as its proportional share when it was forked from the warm process and shares pages."""
     if record.get("gpu_allocated") is not None:
         return "GPU", float(record["gpu_used"] if record.get("gpu_used") is not None else record["gpu_reserved"])
+    return shown_cpu_bytes(record)
+
+
+def shown_cpu_bytes(record: dict[str, Any]) -> tuple[str, float]:
+    """``shown_bytes`` of the CPU alone, for a rank that uses a GPU too."""
     if record.get("cpu_pss_anon") is not None:
         return "CPU anon PSS", float(record["cpu_pss_anon"])
     if record.get("cpu_anon") is not None:

@@ -56,6 +56,11 @@ class Driver(Protocol):
     def tag(self, message: dict[str, Any]) -> dict[str, Any]: ...
 
 
+def _lines_message(rank: int, now: float, stream: str, texts: list[str], is_open: bool) -> dict[str, Any]:
+    """Lines of one stream of a rank, their texts joined into one string (the wire's ``lines``)."""
+    return {"kind": "lines", "rank": rank, "time": now, "stream": stream, "open": is_open, "text": "\n".join(texts)}
+
+
 class RankGroup:
     """``kernel_pidfd``: the kernel's pidfd when a warm process forked this launcher (else the
     kernel is its parent, found by pid). ``fork_ranks``: fork the ranks from this process,
@@ -196,7 +201,7 @@ class RankGroup:
     def send_lines(self, rank: int, lines: list[list[Any]]) -> None:
         """A few ``lines`` (each ``[time, stream, text, is_open]``: open lines, a call's last), now."""
         for time_, stream, text, is_open in lines:
-            self.send({"kind": "lines", "rank": rank, "time": time_, "stream": stream, "open": is_open, "text": text}, rank, 1)
+            self.send(_lines_message(rank, time_, stream, [text], is_open), rank, 1)
 
     def send_texts(self, rank: int, now: float, stream: str, texts: list[str]) -> None:
         """Finished lines of one stream: sent within ``COALESCE`` seconds, with those that follow."""
@@ -219,8 +224,7 @@ class RankGroup:
         string, not a JSON list per line (whose encoding was most of a flood's cost)."""
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         for rank, now, stream, texts in pending:
-            message = {"kind": "lines", "rank": rank, "time": now, "stream": stream, "open": False, "text": "\n".join(texts)}
-            self._send(message, rank, len(texts))
+            self._send(_lines_message(rank, now, stream, texts, False), rank, len(texts))
 
     def check_exits(self) -> None:
         for proc in self.ranks:

@@ -239,7 +239,6 @@ class Monitor:
         self._lock = threading.Lock()  # the socket is shared by the sampler and user code
         self._stop = threading.Event()
         self._interval = interval
-        self.samples = bool(interval)  # whether memory is sampled at all
         self._thread: threading.Thread | None = None
         if interval:
             self._thread = threading.Thread(target=self._sample_until_stopped, name="nbshard-monitor", daemon=True)
@@ -291,7 +290,7 @@ def take_sample() -> dict[str, Any] | None:
     """A sample message now, between the interval's, for the caller to send (a session's rank
     hands it to its launcher with its answer, so it reaches the kernel before the call's end);
     None where memory is not sampled (``sample_interval=None``, or outside a rank)."""
-    return _active.sample() if _active is not None and _active.samples else None
+    return _active.sample() if _active is not None and _active._interval else None
 
 
 def send_stage(stage: str) -> None:
