@@ -24,7 +24,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from nbshard.stacks import STARTING, where_stopped
+from nbshard.stacks import BETWEEN_CALLS, STARTING, where_stopped
 
 __all__ = [
     "JobCancelled",
@@ -137,8 +137,8 @@ class RankFailure:
             return "\n    ".join([raised, *self.notes])
         if self.stopped:
             where = where_stopped(self.stacks)
-            if where == [STARTING]:
-                return f"rank {self.rank} was stopped by nbshard {STARTING}"
+            if where in ([STARTING], [BETWEEN_CALLS]):
+                return f"rank {self.rank} was stopped by nbshard {where[0]}"
             return "\n    ".join([f"rank {self.rank} was stopped by nbshard{' at:' if where else ''}", *where])
         if self.signal is not None:
             return f"rank {self.rank} was killed by {self.signal}: {likely_cause(self.signal)}"

@@ -17,7 +17,10 @@ from typing import Any
 
 __all__ = [
     "CANCEL",
+    "DEBUG_FD_ENV",
+    "DEBUG_RANKS_ENV",
     "KILL",
+    "POST_MORTEM",
     "RANK_FILES",
     "STACK_DUMP_WAIT",
     "Job",
@@ -54,10 +57,14 @@ TORCHRUN_VARIABLES = (
     "NODE_RANK",  # not torchrun's: Lightning's and accelerate's name for GROUP_RANK, set alike
 )
 
-# The kernel's words to a launcher (bytes on its stdin), and how long ranks get to dump their
+# The kernel's words to a launcher (lines on its stdin: these, a session's commands, and
+# ``debug RANK {json}``, an answer to a rank's debugger), and how long ranks get to dump their
 # stacks when stopped. Here, not in launcher.py, so the kernel never imports the launcher module
 # (``python -m nbshard.launcher`` would then run a second copy of it).
-CANCEL, KILL = b"c", b"k"
+CANCEL, KILL = b"cancel\n", b"kill\n"
+DEBUG_FD_ENV = "NBSHARD_DEBUG_FD"  # a rank's end of its debug socket to the launcher
+DEBUG_RANKS_ENV = "NBSHARD_DEBUG_RANKS"  # the ranks where breakpoint() stops ("1", "0,2"); all when unset
+POST_MORTEM = "postmortem"  # a session's command (``postmortem RANK``): pdb at that rank's last failed call
 STACK_DUMP_WAIT = 0.5
 
 # Variables a Jupyter kernel sets for itself (JPY_PARENT_PID, JPY_SESSION_NAME, ...).
@@ -111,12 +118,22 @@ class Job:
     saves checkpoints resumes from its last one); with several nodes, every node. Cancel, timeout
     and a full disk never restart."""
     name: str | None = None
+    debug_ranks: Sequence[int] | None = None
+    """Ranks where ``breakpoint()`` (``pdb.set_trace()``) stops and asks in the cell; the others
+    pass over it. None: every rank (the ``NBSHARD_DEBUG_RANKS`` variable, "1" or "0,2", does the same)."""
     profile: bool = False
     """Run the job under ``torch.profiler`` in every rank: each rank's trace (Perfetto,
     TensorBoard) and a summary of its top operators and communication share (``handle.profile()``)."""
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def rank_env(self) -> dict[str, str]:
+        """The variables the job adds to each rank's environment: ``env``, and ``debug_ranks``'."""
+        if self.debug_ranks is None:
+            return dict(self.env)
+        return {**self.env, DEBUG_RANKS_ENV: ",".join(map(str, self.debug_ranks))}
 
     @property
     def label(self) -> str:
@@ -191,10 +208,11 @@ def _validate(job: Job) -> None:
         raise TypeError(f"backend must be a name such as 'subprocess', got {job.backend!r}")
     if not isinstance(job.backend_options, Mapping) or not all(isinstance(k, str) for k in job.backend_options):
         raise TypeError(f"backend_options must map option names to values, got {job.backend_options!r}")
-    if job.show_ranks is not None and not all(
-        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in job.show_ranks
-    ):
-        raise ValueError(f"show_ranks must list rank numbers, e.g. [0]; got {job.show_ranks!r}")
+    for field, ranks in (("show_ranks", job.show_ranks), ("debug_ranks", job.debug_ranks)):
+        if ranks is not None and (isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+        )):
+            raise ValueError(f"{field} must list rank numbers, e.g. [0]; got {ranks!r}")
     if not all(isinstance(module, types.ModuleType) for module in job.pickle_by_value):
         raise TypeError(
             f"pickle_by_value must list imported modules (import mymodule; pickle_by_value=[mymodule]), "
@@ -279,6 +297,12 @@ class RunDir:
     def profile(self, rank: int) -> Path:
         """A rank's profile summary (``profile=True``); its trace is in ``profile/``."""
         return self.path / f"profile-{rank}.json"
+
+    @property
+    def sources(self) -> Path:
+        """The source of the notebook cells the job's code was defined in (JSON, file name to
+        text): pdb in a rank shows and lists their lines as it would a file's."""
+        return self.path / "sources.json"
 
     def notebook_main(self, rank: int) -> Path:
         """The notebook's classes and functions, for spawn-started children of a rank."""

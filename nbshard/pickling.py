@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import linecache
+import os
 import pickle
 import sys
 import types
@@ -21,11 +23,12 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
-from nbshard.files import write_atomic_with
+from nbshard.files import read_json, write_atomic_with, write_json
+from nbshard.job import RunDir
 
 __all__ = [
     "RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable", "is_notebook_code",
-    "write_result",
+    "notebook_sources", "register_sources", "write_result", "write_sources",
 ]
 
 _MAX_DEPTH = 6
@@ -222,6 +225,35 @@ def dump_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], by_value: t
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def notebook_sources(payload: bytes) -> dict[str, str]:
+    """The source of each notebook cell (IPython registers cells with the line cache, not as
+    files) whose code ``payload`` carries, by the file name its code objects hold. One pass
+    over the payload per cell folder: ipykernel names every cell in one temporary folder."""
+    cells = {name: entry for name, entry in list(linecache.cache.items()) if len(entry) == 4 and entry[1] is None}
+    found: dict[str, str] = {}
+    for folder in {os.path.dirname(name) for name in cells if os.path.isabs(name)}:
+        marker, start = (folder + os.sep).encode(), 0
+        while (at := payload.find(marker, start)) != -1:
+            start = at + len(marker)
+            for name in (name for name in cells if name.startswith(folder) and payload.startswith(name.encode(), at)):
+                found[name] = "".join(cells[name][2])
+    return found
+
+
+def write_sources(run_dir: RunDir, payload: bytes) -> None:
+    """Keep the notebook cells ``payload``'s code comes from beside it (``RunDir.sources``)."""
+    sources = notebook_sources(payload)
+    if sources:
+        write_json(run_dir.sources, sources)
+
+
+def register_sources(run_dir: RunDir) -> None:
+    """In a rank: the job's notebook cells into the line cache, as IPython keeps them in the kernel."""
+    with contextlib.suppress(FileNotFoundError):
+        for name, text in read_json(run_dir.sources).items():
+            linecache.cache[name] = (len(text), None, text.splitlines(keepends=True), name)
 
 
 class _DTensorResult(TypeError):

@@ -14,7 +14,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["MAIN_THREAD_HEADER", "STARTING", "source_label", "where_stopped"]
+__all__ = ["BETWEEN_CALLS", "MAIN_THREAD_HEADER", "STARTING", "source_label", "where_stopped"]
 
 MAIN_THREAD_HEADER = "main thread "  # the first line of a rank's stacks file: "main thread 0x..."
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
@@ -31,7 +31,9 @@ _PACKAGE_DIRS = _dirs("purelib", "platlib")
 
 
 STARTING = "before its function started (nbshard was still setting the rank up)"
+BETWEEN_CALLS = "between calls (it has left the session's call, and waits for the next)"
 _CALL_JOB = "call_job"  # nbshard.process.calls.call_job, the frame that calls the user's function
+_SESSION_LOOP = "serve"  # nbshard.process.session_rank.serve, a session rank's loop of calls
 
 
 def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
@@ -84,7 +86,7 @@ def where_stopped(stacks: str, limit: int = 3) -> list[str]:
     every = _main_thread_frames(stacks)
     ours = [f for f in every if f[0].startswith(_NBSHARD_DIR + os.sep)]
     if ours and not any(name == _CALL_JOB for _, _, name in ours):
-        return [STARTING]
+        return [BETWEEN_CALLS if any(name == _SESSION_LOOP for _, _, name in ours) else STARTING]
     frames = [f for f in every if f not in ours]
     user = [f for f in frames if not _is_library(f[0])][:limit]
     lines = []

@@ -29,6 +29,8 @@ Message kinds:
 - ``event``: ``{"event", ...}``: lifecycle news from the launcher.
 - ``sample``: ``{"rank", "time", "rss", "peak_rss", "gpus": [...]}`` (and ``"pss", "peak_pss"`` from a warm rank): a rank's memory.
 - ``metrics``: ``{"rank", "time", "step", "values": {name: number}}``: from ``log_metrics``.
+- ``debug``: ``{"rank", "ask", "text", "others"}``: a rank's pdb asks (its output, its prompt
+  last; ``others``: the other ranks' stacks when it stopped), or ``{"rank", "resumed": true}``.
 - ``end``: the launcher's last message.
 """
 

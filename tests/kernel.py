@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from jupyter_client.manager import KernelManager
@@ -49,6 +51,18 @@ class CellResult:
         return ANSI.sub("", "\n".join(self.error["traceback"])) if self.error else ""
 
 
+def _record(result: CellResult, message: dict[str, Any]) -> None:
+    """Add one IOPub message of the cell to ``result``."""
+    result.messages.append(message)
+    kind, content = message["msg_type"], message["content"]
+    if kind == "stream":
+        setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
+    elif kind == "error":
+        result.error = content
+    elif kind == "status" and content["execution_state"] == "idle":
+        result.status = "error" if result.error else "ok"
+
+
 class Kernel:
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
         self.manager = KernelManager(kernel_name="python3")
@@ -62,7 +76,8 @@ class Kernel:
         return self.manager.provisioner.process.pid  # type: ignore[union-attr]
 
     def submit(self, code: str) -> str:
-        return self.client.execute(code)
+        """Run a cell as a frontend that takes no input would (nbconvert): ``input()`` fails in it."""
+        return self.client.execute(code, allow_stdin=False)
 
     def collect(self, msg_id: str, timeout: float = 120, until: str | tuple[str, ...] = ()) -> CellResult:
         """IOPub messages of one execution, until it is idle (or each of ``until`` appears in stdout)."""
@@ -79,16 +94,8 @@ class Kernel:
                 continue
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
-            result.messages.append(message)
-            kind, content = message["msg_type"], message["content"]
-            if kind == "stream":
-                setattr(result, content["name"], getattr(result, content["name"]) + content["text"])
-                if wanted and all(text in result.stdout for text in wanted):
-                    return result
-            elif kind == "error":
-                result.error = content
-            elif kind == "status" and content["execution_state"] == "idle":
-                result.status = "error" if result.error else "ok"
+            _record(result, message)
+            if result.status or (wanted and message["msg_type"] == "stream" and all(text in result.stdout for text in wanted)):
                 return result
 
     def execute(self, code: str, timeout: float = 120) -> CellResult:
@@ -100,6 +107,36 @@ class Kernel:
             if reply["parent_header"].get("msg_id") == msg_id:
                 result.reply = reply["content"]
                 return result
+
+    def execute_answering(self, code: str, answer: Callable[[str, str], str], timeout: float = 120) -> tuple[CellResult, list[str]]:
+        """Run one cell that asks for input, as JupyterLab's input box answers: each
+        ``input_request`` on the stdin channel gets ``answer(prompt, stdout so far)`` as its
+        ``input_reply``. Returns the cell's result and the prompts, in order."""
+        msg_id = self.client.execute(code, allow_stdin=True)
+        result, prompts = CellResult(), []
+        deadline = time.monotonic() + timeout
+        while not result.status:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell did not finish within {timeout} s; prompts {prompts}; stdout so far:\n{result.stdout}")
+            with contextlib.suppress(queue.Empty):
+                request = self.client.get_stdin_msg(timeout=0.02)
+                if request["msg_type"] == "input_request" and request["parent_header"].get("msg_id") == msg_id:
+                    self._drain_iopub(msg_id, result)  # what the cell showed before it asked
+                    prompts.append(request["content"]["prompt"])
+                    self.client.input(answer(request["content"]["prompt"], result.stdout))
+            self._drain_iopub(msg_id, result)
+        return result, prompts
+
+    def _drain_iopub(self, msg_id: str, result: CellResult) -> None:
+        while True:
+            try:
+                message = self.client.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                return
+            if message["parent_header"].get("msg_id") == msg_id:
+                _record(result, message)
+                if result.status:
+                    return
 
     @staticmethod
     def assert_reads_as_a_local_error(result: CellResult) -> None:

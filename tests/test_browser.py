@@ -94,6 +94,23 @@ CELLS = [
     "for _ in range(10):\n"
     "    x = torch.tanh(x @ x)\n"
     "    dist.all_reduce(x)\n",
+    # 11: rank 1 stops at a breakpoint; the cell asks for pdb's commands in its input box
+    "def step_through(steps):\n"
+    "    import torch, torch.distributed as dist\n"
+    "    dist.init_process_group('gloo')\n"
+    "    loss = 0.0\n"
+    "    for step in range(steps):\n"
+    "        loss += 1.0 / (step + 1)\n"
+    "        if step == 1:\n"
+    "            breakpoint()\n"
+    "    dist.all_reduce(torch.tensor([loss]))\n"
+    "    return round(loss, 4)\n"
+    "nbshard.run(step_through, 3, nproc=2, debug_ranks=[1])",
+    # 12-15: a session's call fails in rank 1, and is debugged post-mortem
+    "pm = nbshard.session('pm', nproc=2)",
+    "%%shard_train --session pm\nweights = [rank * 10 + i for i in range(3)]\nfactor = 1 / (rank - 1)\n",
+    "%shard_debug --session pm",
+    "pm.close()",
 ]
 
 
@@ -254,3 +271,48 @@ def test_a_profiled_cell_shows_each_ranks_top_operators_and_trace(notebook):
     text = report.inner_text()
     assert "rank 0" in text and "rank 1" in text and "communication" in text, text
     assert "aten::mm" in text and "c10d::allreduce_" in text and ".pt.trace.json" in text, text
+
+
+def answer(notebook: NotebookPage, index: int, line: str, then_shows: str) -> None:
+    """Type ``line`` into the cell's input box and press Enter, as a person does; wait until
+    the cell shows ``then_shows``."""
+    box = notebook.cell(index).locator(".jp-Stdin-input")
+    notebook.wait_for(lambda: box.count() >= 1, timeout=120)
+    box.last.fill(line)  # an answered box may linger for a moment beside the new one
+    box.last.press("Enter")
+    notebook.wait_for(lambda: then_shows in notebook.text(index), timeout=60)
+
+
+def test_a_ranks_breakpoint_is_answered_in_the_cells_input_box(notebook):
+    notebook.run(11, wait=False)
+    box = notebook.cell(11).locator(".jp-Stdin-input")
+    notebook.wait_for(lambda: box.count() == 1, timeout=120)
+    notebook.screenshot("11-debugger-prompt", of=11)
+    assert notebook.cell(11).locator(".jp-Stdin-prompt").inner_text().strip() == "(Pdb rank 1)"
+    text = notebook.text(11)
+    assert "rank 1 stopped in the debugger; where the other ranks are:" in text and "inside all_reduce" in text, text
+    assert "rank 1 paused in the debugger" in text and "handle.watch() answers" not in text, text  # this cell asks
+    assert "dist.all_reduce(torch.tensor([loss]))" in text and "-> for step in range(steps):" in text, text
+    answer(notebook, 11, "p loss", "\n1.5")
+    notebook.screenshot("11-debugger-answered", of=11)
+    answer(notebook, 11, "c", "1.8333")
+    notebook.wait_for(lambda: notebook.prompt(11) not in ("*", ""), timeout=60)
+    assert "1.8333" in notebook.text(11, "text/plain")  # rank 0's value, as if nobody had stopped
+
+
+def test_a_failed_session_call_is_debugged_post_mortem(notebook):
+    notebook.run(12, timeout=120)
+    notebook.run(13, timeout=120)
+    assert "ZeroDivisionError" in notebook.text(13, "application/vnd.jupyter.stderr")
+    notebook.run(14, wait=False)
+    answer(notebook, 14, "p weights, rank", "([10, 11, 12], 1)")
+    answer(notebook, 14, "where", "-> factor = 1 / (rank - 1)")
+    box = notebook.cell(14).locator(".jp-Stdin-input")
+    notebook.wait_for(lambda: box.count() >= 1, timeout=60)
+    notebook.screenshot("14-post-mortem", of=14)
+    assert "where the other ranks are" not in notebook.text(14)  # a post-mortem holds nobody up
+    box.last.fill("q")
+    box.last.press("Enter")
+    notebook.wait_for(lambda: notebook.prompt(14) not in ("*", ""), timeout=60)
+    assert not notebook.text(14, "application/vnd.jupyter.stderr")
+    notebook.run(15, timeout=60)

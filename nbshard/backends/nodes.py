@@ -81,7 +81,8 @@ class NodeGroup:
         return 0
 
     def request(self, command: bytes) -> None:
-        self._asked = command
+        if command in (CANCEL, KILL):  # not an answer to a rank's debugger: every node's launcher picks its own
+            self._asked = command
         for node in self.nodes:
             node.request(command)
 

@@ -98,7 +98,7 @@ class SlurmStep:
     def write(self, command: bytes) -> None:
         with contextlib.suppress(OSError, ValueError):
             assert self.popen.stdin is not None
-            self.popen.stdin.write(command + b"\n")
+            self.popen.stdin.write(command)  # a line: the kernel's words end with their newline
             self.popen.stdin.flush()
 
     def kill(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import linecache
 import os
 import sys
 from typing import Any
@@ -168,6 +169,7 @@ def run_cell(
     namespace.update(values)
     namespace["rank"] = int(os.environ["RANK"])
     namespace["world_size"] = int(os.environ["WORLD_SIZE"])
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # pdb's `list` in a rank
     exec(compile(source, filename, "exec"), namespace)
     missing = [name for name in pull if name not in namespace]
     if missing:

@@ -25,7 +25,7 @@ from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_ke
 from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.leftovers import process_identity
-from nbshard.pickling import dump_job
+from nbshard.pickling import dump_job, write_sources
 from nbshard.kernel.runs import new_run_dir
 from nbshard.wire import Receiver, new_key
 
@@ -137,17 +137,18 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
         write_atomic(run_dir.key, key)
         if payload is not None:
             write_atomic(run_dir.job, payload)
+            write_sources(run_dir, payload)
         receiver = Receiver(key, run_dir.path)
         LaunchSpec(
             address=receiver.address, nproc_per_node=nproc, cwd=cwd, timeout=job.timeout,
             grace=job.grace, master_port=job.master_port, max_restarts=job.max_restarts, nnodes=job.nnodes,
-            env=dict(job.env), gpus=None if job.gpus is None else list(job.gpus),
+            env=job.rank_env, gpus=None if job.gpus is None else list(job.gpus),
             backend_options=dict(job.backend_options), run_id=run_dir.path.name,
             return_all=job.return_all, sys_path=[os.path.abspath(p) for p in sys.path],
             sample_interval=job.sample_interval, profile=job.profile, kernel_pid=os.getpid(), kernel=process_identity(os.getpid()),
             **session,
         ).write(run_dir.launch)
-        env = launch_environment(kernel_env, gpus=job.gpus, extra=job.env)
+        env = launch_environment(kernel_env, gpus=job.gpus, extra=job.rank_env)
         launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)
     except BaseException as error:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
         if receiver is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher
 from nbshard.kernel.backlog import LiveBacklog
+from nbshard.kernel.debugging import QUIT_COMMANDS, RankDebugger
 from nbshard.contracts import Attempt, RunOutcome
 from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
@@ -108,6 +109,7 @@ class JobHandle:
             self._telemetry.add(sample)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
         self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
+        self._debugger = RankDebugger(self._answer_debugger)
         with _running_lock:
             _running.add(self)
         if drain:
@@ -199,9 +201,15 @@ class JobHandle:
         next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
         most = LIVE_LINES_PER_TICK if live is not None else None
         self._live.patient = live is None  # a terminal takes every line: the drain waits for it
+        self._debugger.watched = True
         try:
             while not self._live.wait(self._done, paced=live is not None):
                 self._print_live(printer, out, most=most)
+                while self._debugger.waiting():
+                    self._print_live(printer, out, most=None)
+                    if live is not None:
+                        live.update()
+                    self._answer_prompt(printer, out)
                 if live is not None:
                     live.update(LIVE_VIEW_INTERVAL)
                 elif time.monotonic() > next_memory_text:
@@ -218,7 +226,7 @@ class JobHandle:
                 self._done.wait()
             raise self._interrupted() from None
         finally:
-            self._live.patient = False
+            self._live.patient = self._debugger.watched = False
             self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
             out.write(printer.close())
             out.flush()
@@ -226,6 +234,25 @@ class JobHandle:
                 live.update()  # the summary stays in the cell
             if self.job.profile and self.done():
                 self._show_profile(out, in_notebook_cell=live is not None)
+
+    def _answer_prompt(self, printer: LinePrinter, out: Any) -> None:
+        """Ask the person about a rank's debugger prompt (pdb's output shown first)."""
+        def write(text: str) -> None:
+            out.write(text)
+            out.flush()
+
+        line = self._debugger.answer(write, self.done)
+        if line is not None and line.strip() in QUIT_COMMANDS:
+            self._print_live(printer, out, text=f"stopping {self.job.label}: a rank's debugger was quit")
+
+    def _answer_debugger(self, command: bytes, stop: bool) -> None:
+        """Send a debugger's answer to the launcher; ``stop``: it was a quit, which cancels the job
+        (in the same write, so the launcher stops the ranks before it sees the quitting one end)."""
+        if stop and not self.done():
+            self._launcher.request(command + CANCEL)
+            self._kill_at = min(self._kill_at, time.monotonic() + STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN)
+        else:
+            self._launcher.request(command)
 
     def _show_profile(self, out: Any, in_notebook_cell: bool) -> None:
         report = self.profile()
@@ -359,6 +386,8 @@ class JobHandle:
             text += f" (restarted {len(self.attempts)}x)"
         if self._exception is not None:
             text += f" ({str(self._exception).splitlines()[0]})"
+        elif (paused := self._debugger.describe()) is not None:
+            text += f"; {paused}"
         return text + "".join(f"; {note}" for note in self.notes)
 
     def _where(self) -> str:
@@ -389,7 +418,11 @@ class JobHandle:
         elif kind == "dropped":
             self._note_dropped(message["rank"], message["count"])
         elif kind == "event" and message.get("event") == "note":
-            self._live.note(str(message["text"]))
+            if not self._debugger.say(str(message["text"])):  # the reader waits in input(): shown now
+                self._live.note(str(message["text"]))
+        elif kind == "debug":
+            self._debugger.arrived(message)
+            self._live.wake()
         self._follow_stage(kind, message)
         if kind == "end":
             self._storage_error = message.get("storage_error")
@@ -477,6 +510,7 @@ class JobHandle:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error!r}", run_dir=str(self.run_dir))
         self.status = _status_of(self._exception)
         self.ended = time.time()
+        self._debugger.ended(f"{self.job.label} ended: " + (str(self._exception).splitlines()[0] if self._exception else "it returned"))
         with _running_lock:
             _running.discard(self)
         with self._callbacks_lock:

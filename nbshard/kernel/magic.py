@@ -42,12 +42,12 @@ def _gpus(text: str | None) -> tuple[int | str, ...] | None:
     return tuple(int(g) if g.strip().isdigit() else g.strip() for g in text.split(",") if g.strip())
 
 
-def _ranks(text: str | None) -> list[int] | None:
+def _ranks(text: str | None, flag: str = "--show-ranks") -> list[int] | None:
     if text is None:
         return None
     names = _names([text])
     if not all(name.isdigit() for name in names):
-        raise UsageError(f"--show-ranks takes rank numbers, e.g. 0 or 0,1; got {text!r}")
+        raise UsageError(f"{flag} takes rank numbers, e.g. 0 or 0,1; got {text!r}")
     return [int(name) for name in names]
 
 
@@ -116,6 +116,8 @@ class ShardMagics(Magics):
     @argument("--show-ranks", default=None, metavar="RANKS", help="comma-separated ranks whose output is shown live")
     @argument("--noblock", nargs="?", const="job", default=None, metavar="NAME",
               help="return at once; bind the job handle to NAME (default: job); pulled names are bound when it ends")
+    @argument("--debug-ranks", default=None, metavar="RANKS",
+              help="comma-separated ranks where breakpoint() stops and asks in the cell (default: every rank)")
     @argument("--profile", action="store_true",
               help="run under torch.profiler in every rank: each rank's top operators and trace file are shown at the end")
     @argument("--session", default=None, metavar="NAME",
@@ -141,6 +143,9 @@ class ShardMagics(Magics):
         if args.session and args.profile:
             raise UsageError("%%shard_train: --profile profiles a job's ranks from start to end; a session's cells are "
                              "not profiled (drop --session, or use torch.profiler in the cell)")
+        if args.session and args.debug_ranks:
+            raise UsageError("%%shard_train: --debug-ranks is a session's setting (nbshard.session(NAME, debug_ranks=[1])); "
+                             "in a session's cell, choose with `if rank == 1: breakpoint()`")
         if args.session and args.max_restarts:
             raise UsageError("%%shard_train: --max-restarts starts a failed job's ranks again; a session keeps its "
                              "ranks between cells (after a failure, %shard_session NAME --restart)")
@@ -195,7 +200,7 @@ class ShardMagics(Magics):
                         "pull": pull, "pull_all": args.pull_all},
                 nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=_ranks(args.show_ranks), max_restarts=args.max_restarts, nnodes=args.nnodes, profile=args.profile,
+                show_ranks=_ranks(args.show_ranks), debug_ranks=_ranks(args.debug_ranks, "--debug-ranks"), max_restarts=args.max_restarts, nnodes=args.nnodes, profile=args.profile,
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:
@@ -261,6 +266,33 @@ class ShardMagics(Magics):
                 return existing
         args.session, args.backend, args.grace = args.name, "subprocess", None
         return _session_of(args)
+
+
+    @magic_arguments()
+    @argument("rank", nargs="?", type=int, default=None, help="the rank to debug (default: the first that raised)")
+    @argument("--session", default=None, metavar="NAME", help="the session whose last call failed (default: the only one)")
+    @line_magic
+    def shard_debug(self, line: str) -> None:
+        """pdb at the error of a session's last failed call, in one rank, answered in this cell.
+
+            %shard_debug          # the first rank that raised
+            %shard_debug 1 --session llm
+        """
+        args = parse_argstring(self.shard_debug, line)
+        running = sessions()
+        if args.session is not None:
+            running = [s for s in running if s.name == args.session]
+        if len(running) != 1:
+            names = ", ".join(repr(s.name) for s in sessions()) or "none"
+            raise UsageError(
+                f"%shard_debug debugs a session's last failed call: name the session with --session NAME "
+                f"(this kernel's sessions: {names}). A job's ranks are gone once it failed: put breakpoint() "
+                "in its code, or run it in a session."
+            )
+        try:
+            running[0].debug(args.rank)
+        except (ValueError, RuntimeError) as error:
+            raise UsageError(f"%shard_debug: {error}") from None
 
 
 def _is_code(value: Any) -> bool:

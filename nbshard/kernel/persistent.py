@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,20 +23,21 @@ from typing import Any
 
 from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
+from nbshard.kernel.debugging import PostMortem
 from nbshard.kernel.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
 from nbshard.files import OpenedDir, mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.plots import Plot, charts_of
-from nbshard.job import CANCEL, KILL, Job, RunDir, check_seconds
-from nbshard.pickling import dump_job
+from nbshard.job import CANCEL, KILL, POST_MORTEM, Job, RunDir, check_seconds
+from nbshard.pickling import dump_job, write_sources
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files
 
 __all__ = ["Session", "SessionBusy", "session", "sessions"]
 
 DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
 CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
-_SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port"}
+_SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port", "debug_ranks"}
 _CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
 
 _sessions: dict[str, Session] = {}
@@ -71,7 +73,9 @@ class _CallChannel:
         return 0
 
     def request(self, command: bytes) -> None:
-        self._session._command("kill" if command == KILL else "interrupt" if command == CANCEL else "")
+        """A job's words as the session's: a cancel interrupts the call; a debugger's answer passes."""
+        for line in command.splitlines(keepends=True):
+            self._session._command("kill" if line == KILL else "interrupt" if line == CANCEL else line.decode().rstrip("\n"))
 
     def kill(self) -> None:
         """The call did not end in time after a stop: the session goes with it."""
@@ -160,6 +164,7 @@ class Session:
         self._telemetry = Telemetry(self.world_size)
         self._last_samples: dict[int, dict[str, Any]] = {}
         self._current: CallHandle | None = None
+        self._post_mortem: PostMortem | None = None
         self._numbers = itertools.count(1)
         self._thread = threading.Thread(target=self._dispatch, name=f"nbshard-session-{self.name}", daemon=True)
         self._thread.start()
@@ -201,12 +206,38 @@ class Session:
             os.mkdir(call_dir.path, 0o700)  # in calls/, made with the session
             with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
                 job_file.write(payload)
+            write_sources(call_dir, payload)
             channel = _CallChannel(self)
             # The memory the session holds shows from the call's start, before the call's first sample.
             self._current = CallHandle(self, job, call_dir, channel, list(self._last_samples.values()))
             digest = hashlib.sha256(payload).hexdigest()
             self._command(f"run {call} {digest} {job.timeout or 0} {int(job.return_all)}")
             return self._current
+
+    def debug(self, rank: int | None = None) -> None:
+        """pdb at the error of the last call, in ``rank`` (the first that raised by default): the
+        rank kept its traceback, so its locals can be read, expressions run and frames walked
+        (``up``, ``where``). ``c`` or ``q`` leaves; the session is ready again."""
+        with self._lock:
+            self._check_usable()
+            current = self._current
+            if current is not None and not current.done():
+                raise SessionBusy(f"session {self.name!r} is running {current.job.label}; debug it once it ended")
+            raised = [f.rank for f in (current._exception.failures if current and current._exception else ()) if f.exc_type]
+            if not raised:
+                raise ValueError(f"session {self.name!r}: its last call raised nowhere, so no rank kept an error to debug")
+            if rank is None:
+                rank = raised[0]
+            elif rank not in raised:
+                raise ValueError(f"rank {rank} did not raise in the last call of session {self.name!r}; ranks that did: {raised}")
+            self._post_mortem = PostMortem(rank, self._launcher.request)
+            self._command(f"{POST_MORTEM} {rank}")
+        try:
+            self._post_mortem.serve(_write_out, lambda: self._launcher.poll() is not None)
+        finally:
+            found, self._post_mortem = self._post_mortem.found, None
+        if found is False:
+            raise ValueError(f"rank {rank} of session {self.name!r} kept no traceback of the last call (it failed in nbshard's own frames)")
 
     def _metrics_files(self) -> list[Path]:
         return [self._paths.metrics(rank) for rank in range(self.world_size)]
@@ -350,6 +381,8 @@ class Session:
                 self._route(sample)
             if current._on_message(message):  # type: ignore[union-attr]
                 current._end(message.get("outcome"))  # type: ignore[union-attr]
+        elif (kind == "debug" or message.get("event") == POST_MORTEM) and self._post_mortem is not None:
+            self._post_mortem.arrived(message)
         elif kind == "lines":
             self._telemetry.last_line(message["rank"], message["text"].rpartition("\n")[2])
 
@@ -417,3 +450,8 @@ def _close_all() -> None:
 
 
 atexit.register(_close_all)
+
+
+def _write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

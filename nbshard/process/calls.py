@@ -21,7 +21,7 @@ from nbshard.files import write_atomic, write_json
 from nbshard.job import RunDir
 from nbshard.rank import monitor
 
-__all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "write_error"]
+__all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "user_traceback", "write_error"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
 _main_written: dict[Path, bytes] = {}  # what each notebook-main file holds: a session rewrites it only on change
@@ -87,7 +87,7 @@ def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
     return frames
 
 
-def _user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+def user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback without nbshard's leading frames, which only called the user's code."""
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
@@ -117,7 +117,7 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
     """The error file; the launcher copies its traceback into the rank's log (the kernel
     shows it as a traceback of its own, so it is not streamed as lines too). It carries the
     exception pickled, so the kernel raises the same object where it can."""
-    tb = _user_traceback(error.__traceback__)
+    tb = user_traceback(error.__traceback__)
     text = "".join(traceback.format_exception(type(error), error, tb)) + (f"{hint}\n" if hint else "")
     cls = type(error)
     pickled, pickle_problem = _pickled_exception(error)
@@ -151,8 +151,9 @@ def run_job(
     (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
     the job is loaded and runs; ``main_file``: where spawn-started children find the notebook's
     names, ``paths``' own by default)."""
-    from nbshard.pickling import write_result
+    from nbshard.pickling import register_sources, write_result
 
+    register_sources(paths)  # pdb here shows the notebook's cells
     try:
         fn, args, kwargs = pickle.loads(payload)
     except Exception as error:

@@ -39,6 +39,7 @@ class JobLauncher:
         self.run_dir, self.spec = run_dir, spec
         self.group = RankGroup(run_dir, spec, self, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
         self.deadline = float("inf")
+        self.kernel_pending = b""  # an unfinished line from the kernel
         # With several nodes, the kernel's NodeGroup restarts every node: a node never restarts alone.
         self.policy = RestartPolicy(run_dir, spec.max_restarts if spec.nnodes == 1 else 0, "every rank", self._mark_log)
 
@@ -48,16 +49,21 @@ class JobLauncher:
         return self.group.start_process(env)
 
     def kernel_input(self, fd: int) -> None:
-        data = os.read(fd, 64)
+        data = os.read(fd, 1 << 16)
         if not data:  # the kernel is gone: nobody is waiting for this run
             self.group.selector.unregister(fd)
             self.group.kernel_gone()
-        elif KILL in data:
-            self.group.final = True
-            self.group.request_stop(Status.CANCELLED, stacks=False, grace=0)
-        elif CANCEL in data:
-            self.group.final = True
-            self.group.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
+            return
+        *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
+        for line in lines:
+            if line == KILL.strip():
+                self.group.final = True
+                self.group.request_stop(Status.CANCELLED, stacks=False, grace=0)
+            elif line == CANCEL.strip():
+                self.group.final = True
+                self.group.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
+            else:
+                self.group.debug.command(line.decode(errors="replace"))
 
     def rank_ended(self, proc: Rank) -> None:
         """A rank returned, or its failure (the first) stops the others."""
@@ -66,6 +72,7 @@ class JobLauncher:
         group.log_error(proc)
         if not proc.ok and group.stop_reason is None:
             group.first_failure = proc.rank
+            group.debug.failed(proc.rank)
             group.request_stop(Status.FAILED, stacks=False, grace=FAILURE_GRACE)
 
     def marked(self, fd: int, mark: str, target: Any) -> None:

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import signal_name
 from nbshard.files import read_json
-from nbshard.job import STACK_DUMP_WAIT, RunDir, rank_environment
+from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT, RunDir, rank_environment
+from nbshard.process.debug_relay import DEBUG, DebugRelay
 from nbshard.process.forking import ForkedProcess, fork_rank
 from nbshard.process.fresh import cold_command
 from nbshard.process.rank_process import Rank
@@ -72,6 +73,7 @@ class RankGroup:
         self.selector = selectors.DefaultSelector()
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
+        self.debug = DebugRelay(self)
         self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
         self.pending: list[list[Any]] = []  # runs of finished lines not sent yet: [rank, time, stream, texts]
         self.pending_since = 0.0
@@ -158,7 +160,9 @@ class RankGroup:
                 max_restarts=spec.max_restarts, node_rank=spec.node_rank, nnodes=spec.nnodes, master_addr=spec.master_addr,
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
-            proc = Rank(rank, self.driver.start_rank(env), self.run_dir.log(rank))
+            with self.debug.connect(env):  # the rank's end: open in the rank only
+                proc = Rank(rank, self.driver.start_rank(env), self.run_dir.log(rank))
+            self.debug.started(proc)
             for fd in proc.splitters:
                 os.set_blocking(fd, False)
                 self.selector.register(fd, selectors.EVENT_READ, proc)
@@ -169,8 +173,11 @@ class RankGroup:
         self.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
 
     def start_process(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes] | ForkedProcess:
-        """A rank, forked or a fresh interpreter, with ``pass_fds`` open in it at the same numbers."""
+        """A rank, forked or a fresh interpreter, with ``pass_fds`` (and its debug socket) open in
+        it at the same numbers."""
         run_dir = str(self.run_dir.path)
+        if DEBUG_FD_ENV in env:
+            pass_fds = (*pass_fds, int(env[DEBUG_FD_ENV]))
         if self.fork_ranks:
             from nbshard.process import worker
 
@@ -262,10 +269,8 @@ class RankGroup:
             self.stop_reason = reason
             self.send({"kind": "event", "event": "stopping", "reason": reason})
         if stacks and self.term_at == float("inf"):
-            for proc in self.ranks:
-                if proc.running and proc.catches(signal.SIGUSR1):  # one still starting has no stack to give
-                    proc.stacks_asked = True
-                    proc.signal(signal.SIGUSR1)
+            for proc in self.ranks:  # one still starting has no stack to give
+                proc.stacks_asked = proc.ask_stacks(self.run_dir.stacks(proc.rank))
             self.term_at = now + STACK_DUMP_WAIT
         else:
             self.term_at = min(self.term_at, now)
@@ -296,11 +301,10 @@ class RankGroup:
 
     def keep_stacks(self, proc: Rank) -> None:
         """The stacks the rank dumped on request: for the outcome, and at the end of its log."""
-        with contextlib.suppress(OSError):
-            dump = self.run_dir.stacks(proc.rank).read_text(errors="replace")
-            if "\n" in dump.rstrip():  # more than the header: the rank answered
-                proc.stacks = dump
-                self.to_log(proc, f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
+        dump = proc.read_stacks(self.run_dir.stacks(proc.rank))
+        if dump:  # the rank answered
+            proc.stacks = dump
+            self.to_log(proc, f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
 
     # -- the kernel ----------------------------------------------------------
 
@@ -354,6 +358,8 @@ class RankGroup:
                 elif isinstance(key.data, tuple) and key.data[0] == EXITED:
                     self.selector.unregister(key.fd)  # check_exits reaps it
                     key.data[1].close_pidfd()
+                elif isinstance(key.data, tuple) and key.data[0] == DEBUG:
+                    self.debug.readable(key.data[1])
                 elif isinstance(key.data, tuple):
                     self.driver.marked(key.fd, *key.data)
                 else:
@@ -364,6 +370,7 @@ class RankGroup:
             if self.signalled and self.stop_reason is None:
                 self.request_stop(self.signalled, stacks=True, grace=self.spec.grace)
             self.driver.tick(now)
+            self.debug.tick(now)
             if now - last_tick >= TICK:
                 last_tick = now
                 self.send_open_lines(time.time())
@@ -379,6 +386,7 @@ class RankGroup:
         for proc in self.ranks:
             for fd in [*proc.open_fds, *([proc.pidfd] if proc.pidfd is not None else [])]:
                 self.selector.unregister(fd)
+            self.debug.forget(proc)
             proc.close()
         self.ranks = []
         self.stop_reason = self.first_failure = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -30,6 +32,8 @@ class Rank:
         self.stopped = False
         self.stacks_asked = False
         self.stacks = ""
+        self.stacks_from = 0  # where the newest dump starts in its stacks file (0: the whole file)
+        self.debug: socket.socket | None = None  # the launcher's end of its debug socket
         self.pidfd: int | None = None
 
     @property
@@ -46,6 +50,27 @@ class Rank:
             return False
         return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
 
+    def ask_stacks(self, path: Path) -> bool:
+        """SIGUSR1: the rank appends every thread's stack to ``path`` (its faulthandler), where
+        ``read_stacks`` finds it. False when it cannot answer (ended, or still starting)."""
+        if not self.running or not self.catches(signal.SIGUSR1):
+            return False
+        with contextlib.suppress(OSError):
+            self.stacks_from = path.stat().st_size
+        self.signal(signal.SIGUSR1)
+        return True
+
+    def read_stacks(self, path: Path) -> str:
+        """The file's header (which thread is the main one) and the newest dump; "" when the
+        rank wrote none since it was asked."""
+        with contextlib.suppress(OSError):
+            data = path.read_bytes()
+            header, _, _ = data.partition(b"\n")
+            dump = data[self.stacks_from:] if self.stacks_from else data.partition(b"\n")[2]
+            if dump.strip():
+                return (header + b"\n" + dump).decode(errors="replace")
+        return ""
+
     def signal(self, signum: int) -> None:
         if self.running:
             with contextlib.suppress(ProcessLookupError):
@@ -54,6 +79,8 @@ class Rank:
     def close(self) -> None:
         for pipe in self.pipes:
             pipe.close()
+        if self.debug is not None:
+            self.debug.close()
         self.close_pidfd()
         self.log.close()
 

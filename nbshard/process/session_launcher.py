@@ -30,7 +30,7 @@ from typing import Any
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import likely_cause, signal_name
 from nbshard.files import open_private, write_json
-from nbshard.job import RunDir
+from nbshard.job import POST_MORTEM, RunDir
 from nbshard.process.launcher import FAILURE_GRACE
 from nbshard.process.rank_group import RankGroup
 from nbshard.process.rank_process import Rank
@@ -114,7 +114,9 @@ class SessionLauncher:
                 self.ready.add(target)
                 continue
             call, status, count, sample = line.decode().split(" ", 3)
-            if call == self.call:
+            if call == POST_MORTEM:
+                self.group.send({"kind": "event", "event": POST_MORTEM, "rank": target, "found": status == "done"})
+            elif call == self.call:
                 self.replies[target] = (status, None if count == "-" else int(count), time.time())
                 if sample != "null":
                     self.samples.append(sample)
@@ -136,6 +138,8 @@ class SessionLauncher:
             return
         *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
         for line in lines:
+            if self.group.debug.command(line.decode(errors="replace")):
+                continue
             command, *words = line.decode().split()
             if command == "run":
                 self.begin_call(words[0], words[1], float(words[2]), words[3])
@@ -145,6 +149,8 @@ class SessionLauncher:
                 self.lose("the kernel stopped the session at once", stacks=False)
             elif command == "close":
                 self.close_session()
+            elif command == POST_MORTEM and self.call is None and int(words[0]) in self.commands:
+                os.write(self.commands[int(words[0])], f"{POST_MORTEM}\n".encode())
 
     def begin_call(self, call: str, digest: str, timeout: float, return_all: str) -> None:
         if self.call is not None or self.group.stop_reason is not None:
@@ -174,6 +180,8 @@ class SessionLauncher:
             self.waiting_on = f"within {self.grace:g} s of {what}"
 
     def answered(self, rank: int, status: str) -> None:
+        if status == "error":
+            self.group.debug.failed(rank)
         if len(self.replies) == len(self.group.ranks):
             self.end_call()
         elif status == "error" and self.leave_by == float("inf"):

@@ -4,13 +4,16 @@ The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST A
 lines (the call's files are in ``calls/CALL`` of the session's run directory, and
 the job file must hash to DIGEST) and ``interrupt CALL``, on the other this rank
 answers ``ready`` once, then ``CALL STATUS COLLECTIVES SAMPLE`` when each call is over (SAMPLE:
-the rank's memory sample as JSON, ``null`` where memory is not sampled).
+the rank's memory sample as JSON, ``null`` where memory is not sampled). ``postmortem`` opens pdb
+at the last failed call's error (its traceback is kept until the next call), answered as
+``postmortem done - null`` once pdb is left (``none``: no call failed here).
 End-of-file on the first closes the session.
 Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
 """
 
 from __future__ import annotations
 
+import bdb
 import hashlib
 import json
 import os
@@ -23,7 +26,7 @@ from typing import Any
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_json
 from nbshard.pickling import is_notebook_code
-from nbshard.job import RunDir
+from nbshard.job import POST_MORTEM, RunDir
 
 __all__ = ["PIPES_ENV", "collectives_issued", "in_session", "serve"]
 
@@ -37,6 +40,7 @@ class _State:
     in_call = False  # in the call's function: an interrupt raises KeyboardInterrupt there
     pending = False
     interrupted = False
+    failure: types.TracebackType | None = None  # the last failed call's traceback, for a post-mortem
 
 
 def _on_interrupt(signum: int, frame: Any) -> None:
@@ -118,7 +122,7 @@ def _verified(path: Path, digest: str) -> bytes | None:
 
 def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
     """Answer the launcher's calls until it closes the session; returns the exit code."""
-    from nbshard.process import calls
+    from nbshard.process import calls, debugger
     from nbshard.rank import monitor
 
     read_fd, write_fd = (int(fd) for fd in os.environ.pop(PIPES_ENV).split(","))
@@ -137,8 +141,11 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             if _State.pending or commands.interrupted(call):
                 raise KeyboardInterrupt
             return calls.call_job(fn, args, kwargs)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, bdb.BdbQuit):  # an interrupt, or a quit in this rank's debugger
             _State.interrupted = True
+            raise
+        except BaseException as error:
+            _State.failure = calls.user_traceback(error.__traceback__)  # its frames (and their locals) stay for %shard_debug
             raise
         finally:
             _State.in_call = False
@@ -148,9 +155,15 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
     while (line := commands.next()) is not None:
         if line.startswith("interrupt "):
             continue  # for a call that has ended
+        if line == POST_MORTEM:
+            found = _State.failure is not None
+            if found:
+                debugger.post_mortem(_State.failure)  # type: ignore[arg-type]
+            os.write(write_fd, f"{POST_MORTEM} {'done' if found else 'none'} - null\n".encode())
+            continue
         call, digest, return_all = line.split()
         paths = RunDir(run_dir.path / "calls" / call)
-        _State.assigned, _State.pending, _State.interrupted = True, False, False
+        _State.assigned, _State.pending, _State.interrupted, _State.failure = True, False, False, None
         signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
         payload = _verified(paths.job, digest)
         if payload is None:

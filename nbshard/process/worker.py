@@ -22,6 +22,7 @@ from typing import Any
 
 from nbshard.rank import monitor
 from nbshard.contracts import LaunchSpec
+from nbshard.process import debugger
 from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
 from nbshard.files import open_private
 from nbshard.process.fresh import MAIN_NAMES
@@ -104,6 +105,7 @@ def main(run_dir: str) -> int:
     sys.argv = [""]
     _die_with_launcher()
     _dump_stacks_on_request(paths.stacks(rank))
+    debugger.install(rank)
     try:
         return _run(paths, rank)
     finally:
