@@ -33,6 +33,7 @@ from typing import Any
 
 from nbshard.files import write_json
 from nbshard.process.forking import fork_fresh
+from nbshard.process.module_watch import ModuleWatch, module_files
 
 __all__ = ["MAX_REQUEST_BYTES", "main"]
 
@@ -94,44 +95,12 @@ def _unsafe_to_fork() -> str | None:
     return None
 
 
-FileStamp = tuple[int, int, int, int, int]
-
-
-def _stamp(path: str) -> FileStamp:
-    """What changes whenever a file's content can have changed. Not mtime and size alone: an
-    edit may keep both (a tool that restores the mtime); the inode's change time (ctime) is
-    set by the kernel on every write and every mtime change, and cannot be set back, and a
-    file replaced by a rename has a new inode."""
-    stat = os.stat(path)
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
-
-
-def _module_files() -> dict[str, FileStamp]:
-    files = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str) and os.path.isabs(path):
-            with contextlib.suppress(OSError):
-                files[path] = _stamp(path)
-    return files
-
-
-def _changed_module(files: dict[str, FileStamp]) -> str | None:
-    for path, stamp in files.items():
-        try:
-            if _stamp(path) != stamp:
-                return path
-        except OSError:
-            return path
-    return None
-
-
 class WarmServer:
     def __init__(self, directory: Path, token: str, kernel_pidfd: int) -> None:
         self.directory = directory
         self.token = token.encode()
         self.kernel_pidfd = kernel_pidfd
-        self.modules = _module_files()
+        self.modules = ModuleWatch(module_files())
         self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         path = directory / SOCKET_NAME
@@ -190,7 +159,7 @@ class WarmServer:
         request = json.loads(data)
         if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token) or len(fds) != 3:
             return {"refused": "a request without this kernel's token and descriptors"}
-        changed = _changed_module(self.modules)
+        changed = self.modules.changed()
         if changed is not None:
             return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
         run_dir, env, cwd = str(request["run_dir"]), dict(request["env"]), str(request["cwd"])
@@ -253,7 +222,7 @@ def main(directory: str) -> int:
     server = WarmServer(root, str(config["token"]), kernel_pidfd)
     _write_status(root, {
         "ready": True, "pid": os.getpid(), "seconds": round(time.monotonic() - started, 3),
-        "preloaded": list(config.get("preload", ())), "modules": len(server.modules),
+        "preloaded": list(config.get("preload", ())), "modules": len(server.modules.files),
     })
     server.serve()
     shutil.rmtree(root, ignore_errors=True)
