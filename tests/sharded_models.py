@@ -338,8 +338,11 @@ def step_returning_freed_memory(return_freed_memory):
 
     nbshard.init_process_group()
     model = fsdp.build_sharded(lambda: InPlaceLM(vocab=512), seed=3, return_freed_memory=return_freed_memory)
-    trimmed = sorted(name for name, module in model.named_modules()
-                     if any(getattr(hook, "__name__", "") == "before_forward" for hook in module._forward_pre_hooks.values()))
+    def hooked(hooks: str, name: str) -> list[str]:
+        return sorted(path for path, module in model.named_modules()
+                      if any(getattr(hook, "__name__", "") == name for hook in getattr(module, hooks).values()))
+
+    trimmed = {"forward": hooked("_forward_pre_hooks", "before_forward"), "backward": hooked("_forward_hooks", "after_forward")}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     logits = model(rank_batches(512)[dist.get_rank()])
     logits.pow(2).mean().backward()
