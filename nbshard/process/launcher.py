@@ -11,7 +11,6 @@ it is retried on another port. It writes ``outcome.json`` last.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
 from typing import Any
@@ -39,7 +38,6 @@ class JobLauncher:
         self.run_dir, self.spec = run_dir, spec
         self.group = RankGroup(run_dir, spec, self, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
         self.deadline = float("inf")
-        self.kernel_pending = b""  # an unfinished line from the kernel
         # With several nodes, the kernel's NodeGroup restarts every node: a node never restarts alone.
         self.policy = RestartPolicy(run_dir, spec.max_restarts if spec.nnodes == 1 else 0, "every rank", self._mark_log)
 
@@ -49,21 +47,15 @@ class JobLauncher:
         return self.group.start_process(env)
 
     def kernel_input(self, fd: int) -> None:
-        data = os.read(fd, 1 << 16)
-        if not data:  # the kernel is gone: nobody is waiting for this run
-            self.group.selector.unregister(fd)
-            self.group.kernel_gone()
-            return
-        *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
-        for line in lines:
-            if line == KILL.strip():
+        for line in self.group.kernel_lines(fd):
+            if line == KILL.decode().strip():
                 self.group.final = True
                 self.group.request_stop(Status.CANCELLED, stacks=False, grace=0)
-            elif line == CANCEL.strip():
+            elif line == CANCEL.decode().strip():
                 self.group.final = True
                 self.group.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
             else:
-                self.group.debug.command(line.decode(errors="replace"))
+                self.group.debug.command(line)
 
     def rank_ended(self, proc: Rank) -> None:
         """A rank returned, or its failure (the first) stops the others."""

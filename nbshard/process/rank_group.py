@@ -74,6 +74,7 @@ class RankGroup:
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
         self.debug = DebugRelay(self)
+        self.kernel_pending = b""  # an unfinished command line from the kernel
         self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
         self.pending: list[list[Any]] = []  # runs of finished lines not sent yet: [rank, time, stream, texts]
         self.pending_since = 0.0
@@ -307,6 +308,17 @@ class RankGroup:
             self.to_log(proc, f"\n[nbshard] this rank's Python stacks when it was stopped:\n{dump.split(chr(10), 1)[1]}".encode())
 
     # -- the kernel ----------------------------------------------------------
+
+    def kernel_lines(self, fd: int) -> list[str]:
+        """The kernel's finished command lines on its pipe (``fd`` readable); none, and the
+        ranks stopped, once the kernel is gone (its end closed: nobody waits for this run)."""
+        data = os.read(fd, 1 << 16)
+        if not data:
+            self.selector.unregister(fd)
+            self.kernel_gone()
+            return []
+        *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
+        return [line.decode(errors="replace") for line in lines]
 
     def watch_kernel(self, pid: int | None) -> int | None:
         """Learn of the kernel's death from the kernel itself, not only from the pipe: a process

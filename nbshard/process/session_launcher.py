@@ -69,7 +69,6 @@ class SessionLauncher:
         self.grace = float(self.spec.interrupt_grace)
         self.commands: dict[int, int] = {}  # rank -> the write end of its command pipe
         self.answers: dict[int, bytes] = {}  # rank -> an unfinished answer line
-        self.kernel_pending = b""
         self.call: str | None = None
         self.call_dir: RunDir | None = None
         self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
@@ -131,16 +130,11 @@ class SessionLauncher:
     # -- the kernel's commands ----------------------------------------------
 
     def kernel_input(self, fd: int) -> None:
-        data = os.read(fd, 4096)
-        if not data:
-            self.group.selector.unregister(fd)
-            self.group.kernel_gone()
-            return
-        *lines, self.kernel_pending = (self.kernel_pending + data).split(b"\n")
+        lines = self.group.kernel_lines(fd)
         for line in lines:
-            if self.group.debug.command(line.decode(errors="replace")):
+            if self.group.debug.command(line):
                 continue
-            command, *words = line.decode().split()
+            command, *words = line.split()
             if command == "run":
                 self.begin_call(words[0], words[1], float(words[2]), words[3])
             elif command == "interrupt" and self.call is not None:
