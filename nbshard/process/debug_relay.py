@@ -51,21 +51,20 @@ class DebugRelay:
         self.resumed_at: dict[int, float] = {}
         # Prompts waiting for the others' stacks: [when next to act, the message, the rank, the peers asked (None: not yet)]
         self.held: list[list[Any]] = []
-        self.pending_socket: socket.socket | None = None  # the launcher's end for the rank being started
 
-    def connect(self, env: dict[str, str]) -> socket.socket:
-        """A socket pair for the rank about to start: its end's number goes in ``env``; the
-        caller passes that end to the rank and closes it here."""
+    @staticmethod
+    def connect(env: dict[str, str]) -> tuple[socket.socket, socket.socket]:
+        """A socket pair (ours, the rank's) for the rank about to start: its end's number goes
+        in ``env``; the caller passes that end to the rank, then closes it here."""
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         env[DEBUG_FD_ENV] = str(theirs.fileno())
-        self.pending_socket = ours
-        return theirs
+        return ours, theirs
 
-    def started(self, proc: Rank) -> None:
-        proc.debug, self.pending_socket = self.pending_socket, None  # type: ignore[assignment]
+    def started(self, proc: Rank, ours: socket.socket) -> None:
+        proc.debug = ours
         self.buffers[proc.rank] = b""
-        self.group.selector.register(proc.debug.fileno(), selectors.EVENT_READ, (DEBUG, proc))  # type: ignore[union-attr]
+        self.group.selector.register(ours.fileno(), selectors.EVENT_READ, (DEBUG, proc))
 
     def forget(self, proc: Rank) -> None:
         if proc.debug is not None:

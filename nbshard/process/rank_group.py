@@ -161,9 +161,14 @@ class RankGroup:
                 max_restarts=spec.max_restarts, node_rank=spec.node_rank, nnodes=spec.nnodes, master_addr=spec.master_addr,
             )
             env["NBSHARD_LAUNCHER_PID"] = str(os.getpid())
-            with self.debug.connect(env):  # the rank's end: open in the rank only
-                proc = Rank(rank, self.driver.start_rank(env), self.run_dir.log(rank))
-            self.debug.started(proc)
+            ours, theirs = self.debug.connect(env)
+            try:
+                with theirs:  # the rank's end: open in the rank only
+                    proc = Rank(rank, self.driver.start_rank(env), self.run_dir.log(rank))
+            except BaseException:
+                ours.close()
+                raise
+            self.debug.started(proc, ours)
             for fd in proc.splitters:
                 os.set_blocking(fd, False)
                 self.selector.register(fd, selectors.EVENT_READ, proc)
