@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,25 @@ class Status(str, enum.Enum):
         return self.value
 
 
+def _plain(value: Any) -> Any:
+    """``value`` as JSON's types: a dataclass as a dict of its fields (``dataclasses.asdict``
+    without its deep copies, a session call's end is built on every call), keys as strings."""
+    if dataclasses.is_dataclass(value):
+        return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    return value
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))
+
+
 def _from_fields(cls: type, data: dict[str, Any], what: str) -> Any:
-    names = {field.name for field in dataclasses.fields(cls)}
-    unknown = set(data) - names
+    unknown = data.keys() - _field_names(cls)
     if unknown:
         raise ValueError(
             f"{what} holds fields this nbshard does not know ({', '.join(sorted(unknown))}): it was written by "
@@ -155,10 +172,8 @@ class RunOutcome:
     diverged: bool = False  # a session call that failed on some ranks and returned on others
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = _plain(self)
         data["status"] = self.status.value
-        for name in ("dropped_lines", "lines_sent", "lost_nodes", "stopped_from_outside"):
-            data[name] = {str(key): value for key, value in data[name].items()}  # JSON's keys are strings
         return data
 
     @classmethod

@@ -145,11 +145,15 @@ class Receiver:
         self._endpoint = bind_private(self._socket, directory)
         self.address = self._endpoint.address
 
-    def receive(self, timeout: float, most: int = RECEIVE_BATCH) -> list[dict[str, Any]]:
+    def receive(self, timeout: float, most: int = RECEIVE_BATCH, also: int | None = None) -> list[dict[str, Any]]:
         """Wait up to ``timeout`` seconds for a message, then take up to ``most`` already queued
-        (the rest stay in the socket as bytes, not decoded all at once in a flood)."""
+        (the rest stay in the socket as bytes, not decoded all at once in a flood). ``also``: a
+        file descriptor whose data ends the wait too (the caller reads it)."""
         messages: list[dict[str, Any]] = []
-        if not self._socket.poll(int(timeout * 1000)):
+        if also is None:
+            if not self._socket.poll(int(timeout * 1000)):
+                return messages
+        elif self._socket not in zmq.select([self._socket, also], [], [], timeout)[0]:
             return messages
         for _ in range(most):
             try:
@@ -162,6 +166,10 @@ class Receiver:
             else:
                 messages.append(message)
         return messages
+
+    def seen(self, sender: Any) -> int:
+        """The count of the last message taken from ``sender`` (0 before any)."""
+        return self._last_seq.get(sender, 0)
 
     def _fresh(self, message: dict[str, Any] | None) -> dict[str, Any] | None:
         """The message without its stamp, if it is the next one of its sender; else None."""
@@ -188,6 +196,7 @@ class Sender:
         self.key = key
         self.id = secrets.token_hex(8)
         self._seq = 0
+        self.sent = 0  # the count of the last message queued (a dropped one's is skipped)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -206,6 +215,7 @@ class Sender:
             self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self.sent = self._seq
         return True
 
     def close(self, linger_ms: int | None = None) -> None:

@@ -57,7 +57,7 @@ def test_pickling_by_reference_in_the_ranks_finds_main_classes(script, tmp_path)
             import os
             rank = int(os.environ["RANK"])
             totals = {{}}
-            for method in ("fork", "spawn"):
+            for method in ("fork", "spawn", "forkserver"):
                 loader = torch.utils.data.DataLoader(
                     Squares(), batch_size=4, num_workers=2, multiprocessing_context=method)
                 totals[method] = sum(batch.sum().item() for batch in loader)
@@ -74,7 +74,7 @@ def test_pickling_by_reference_in_the_ranks_finds_main_classes(script, tmp_path)
     )
     code, out = kernel.finish(timeout=150)
     assert code == 0, out
-    assert "totals: {'fork': 140.0, 'spawn': 140.0, 'reloaded': 'TinyNet'}" in out
+    assert "totals: {'fork': 140.0, 'spawn': 140.0, 'forkserver': 140.0, 'reloaded': 'TinyNet'}" in out
     assert "kernel loaded: TinyNet True" in out
 
 

@@ -334,3 +334,39 @@ def test_a_done_callback_may_run_the_next_call_and_wait_for_it(session):
         assert time.monotonic() < deadline, "the chained call never ended"
         time.sleep(0.05)
     assert chained == [first.result()]
+
+
+def test_a_calls_end_comes_back_on_the_kernels_channel_after_every_line_it_printed(script, runs_dir):
+    # The launcher answers a call's end on the kernel's own socket (a hop shorter than the wire),
+    # but only once the wire's lines sent before it arrived: the cell shows all of them first.
+    kernel = script(
+        """
+        import nbshard
+        from nbshard.backends import channel
+        ends = []
+        original = channel.Channel.replies
+        def counted(self, seen):
+            due = original(self, seen)
+            ends.extend(message["call"] for message in due if message.get("kind") == "end")
+            return due
+        channel.Channel.replies = counted
+        session = nbshard.session(nproc=2)
+        def chatty():
+            import os
+            for i in range(3000):
+                print(f"line {os.environ['RANK']}-{i}")
+            return "returned"
+        for call in ("FIRST", "SECOND"):
+            print(call, session.run(chatty), flush=True)
+        print("ENDS ON THE CHANNEL", ends)
+        session.close()
+        """
+    )
+    code, out = kernel.finish(timeout=90)
+    assert code == 0, out
+    assert "ENDS ON THE CHANNEL ['0001', '0002']" in out, out
+    first, second = out.index("FIRST returned"), out.index("SECOND returned")
+    for rank in (0, 1):
+        for start, end in ((0, first), (first, second)):
+            shown = [out.index(f"line {rank}-{i}\n", start) for i in (0, 1500, 2999)]
+            assert shown == sorted(shown) and shown[-1] < end, out[-3000:]

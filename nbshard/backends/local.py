@@ -8,6 +8,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 
+from nbshard.backends.channel import Channel
 from nbshard.backends.nodes import NodeGroup
 from nbshard.backends.relay import importable_env, move_rank_files, node_outcome, read_log
 from nbshard.backends.warm import start_pending_warm, warm_launch
@@ -24,17 +25,18 @@ __all__ = ["LauncherProcess", "LocalNode", "start_cold", "start_local", "start_n
 class LauncherProcess:
     """The launcher of one run, seen from the kernel.
 
-    Its stdin is a pipe only the kernel holds: a byte on it asks for a cancel,
-    and its end-of-file, when the kernel dies however it dies, tells the
-    launcher to stop every rank. No ``preexec_fn`` (unsafe in the threaded
-    kernel) and no ``PR_SET_PDEATHSIG`` (it follows threads, not processes).
+    Its stdin is a socket only the kernel holds the other end of (``Channel``): a line on it
+    is a command, and its end-of-file, when the kernel dies however it dies, tells the
+    launcher to stop every rank. No ``preexec_fn`` (unsafe in the threaded kernel) and no
+    ``PR_SET_PDEATHSIG`` (it follows threads, not processes).
     """
 
     note: str | None = None  # why this launch is cold, when the kernel asked for a warm one
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], channel: Channel) -> None:
         self._popen = popen
         self.pid = popen.pid
+        self.channel = channel
 
     def poll(self) -> int | None:
         return self._popen.poll()
@@ -43,12 +45,8 @@ class LauncherProcess:
         return self._popen.wait(timeout)
 
     def request(self, command: bytes) -> None:
-        """Write a command byte to the launcher (see nbshard.process.launcher.CANCEL and KILL)."""
-        with contextlib.suppress(BrokenPipeError, ValueError, OSError):
-            stdin = self._popen.stdin
-            if stdin is not None:
-                stdin.write(command)
-                stdin.flush()
+        """Write a command line to the launcher (see nbshard.job.CANCEL and KILL)."""
+        self.channel.request(command)
 
     def signal(self, signum: int) -> None:
         """Pass a signal on to the launcher (itself: it stops its ranks as for a cancel from outside)."""
@@ -56,10 +54,8 @@ class LauncherProcess:
             os.kill(self.pid, signum)
 
     def end_input(self) -> None:
-        """Close the pipe as a kernel's death would: the launcher stops its ranks."""
-        with contextlib.suppress(OSError):
-            if self._popen.stdin is not None:
-                self._popen.stdin.close()
+        """End the launcher's input as a kernel's death would: the launcher stops its ranks."""
+        self.channel.end_input()
 
     def kill(self) -> None:
         """SIGKILL the launcher and everything in its process group: every rank."""
@@ -67,23 +63,30 @@ class LauncherProcess:
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipe."""
+        """The run is over: SIGKILL whatever its ranks left in the process group, drop the channel."""
         self.kill()
-        self.end_input()
+        self.channel.close()
 
 
 def start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherProcess:
-    with open_private(run_dir.launcher_log, "wb") as log:
-        popen = subprocess.Popen(
-            cold_command("nbshard.launcher", str(run_dir.path)),
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-        )
-    return LauncherProcess(popen)
+    channel = Channel()
+    try:
+        with open_private(run_dir.launcher_log, "wb") as log:
+            popen = subprocess.Popen(
+                cold_command("nbshard.launcher", str(run_dir.path)),
+                stdin=channel.launcher_end,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+    except BaseException:
+        channel.close()
+        raise
+    finally:
+        channel.launcher_started()
+    return LauncherProcess(popen, channel)
 
 
 def start_local(

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbshard.backends.channel import Channel
 from nbshard.errors import signal_name
 from nbshard.backends.warm_launcher import WarmLauncher, process_state
 from nbshard.files import open_private
@@ -107,17 +108,17 @@ class WarmProcess:
 
     def launch(self, run_dir: RunDir, env: Mapping[str, str], cwd: str) -> WarmLauncher | Refusal:
         """A forked launcher, or why the warm process refused or could not answer."""
-        commands_read, commands_write = os.pipe()
+        channel = Channel()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            answer = self._request(connection, run_dir, env, cwd, commands_read)
+            answer = self._request(connection, run_dir, env, cwd, channel.launcher_end.fileno())
         finally:
-            os.close(commands_read)
+            channel.launcher_started()
         if isinstance(answer, Refusal):
             connection.close()
-            os.close(commands_write)
+            channel.close()
             return answer
-        return WarmLauncher(answer, connection, commands_write)
+        return WarmLauncher(answer, connection, channel)
 
     def _request(self, connection: socket.socket, run_dir: RunDir, env: Mapping[str, str], cwd: str, commands: int) -> int | Refusal:
         """The forked launcher's pid, or the refusal."""

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 
+from nbshard.backends.channel import Channel
 from nbshard.procfs import stat_fields
 
 __all__ = ["WarmLauncher", "process_state"]
@@ -17,16 +18,17 @@ __all__ = ["WarmLauncher", "process_state"]
 class WarmLauncher:
     """A launcher forked by the warm process, with the verbs of ``LauncherProcess``.
 
-    Its stdin is a pipe whose write end only the kernel holds (commands and, at
-    its end, the kernel's death); its exit code comes from the warm process.
+    Its stdin is a socket whose other end only the kernel holds (``Channel``: commands,
+    a session's replies and, at its end, the kernel's death); its exit code comes from the
+    warm process.
     """
 
     note: str | None = None
 
-    def __init__(self, pid: int, connection: socket.socket, commands: int) -> None:
+    def __init__(self, pid: int, connection: socket.socket, channel: Channel) -> None:
         self.pid = pid
         self._connection = connection
-        self._commands = commands
+        self.channel = channel
         self._returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -55,18 +57,16 @@ class WarmLauncher:
             self._returncode = -signal.SIGKILL
 
     def request(self, command: bytes) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._commands, command)
+        self.channel.request(command)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
     def close(self) -> None:
-        """The run is over: SIGKILL whatever its ranks left in the process group, drop the pipes."""
+        """The run is over: SIGKILL whatever its ranks left in the process group, drop the channels."""
         self.kill()
-        with contextlib.suppress(OSError):
-            os.close(self._commands)
+        self.channel.close()
         self._connection.close()
 
 

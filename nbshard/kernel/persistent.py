@@ -2,9 +2,9 @@
 
 A session is a launcher whose ranks stay up. Each call is written as a file into
 ``calls/N`` of the session's private run directory, announced with its hash on
-the launcher's stdin (a pipe only the kernel holds), and waited for with a
-``JobHandle`` like any job: live lines, memory, results and tracebacks are the
-job's. Nothing here imports torch.
+the launcher's stdin (a socket pair: only the kernel holds the other end, and the
+launcher answers each call's end on it), and waited for with a ``JobHandle`` like any
+job: live lines, memory, results and tracebacks are the job's. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -166,6 +166,9 @@ class Session:
         self._current: CallHandle | None = None
         self._post_mortem: PostMortem | None = None
         self._numbers = itertools.count(1)
+        self._channel = getattr(self._launcher, "channel", None)  # this kernel's own end of the launcher's stdin
+        if self._channel is not None:
+            self._command("replies")  # each call's end comes back on it: a hop shorter than the wire
         self._thread = threading.Thread(target=self._dispatch, name=f"nbshard-session-{self.name}", daemon=True)
         self._thread.start()
 
@@ -349,7 +352,11 @@ class Session:
         launcher ends."""
         try:
             while self._launcher.poll() is None:
-                for message in self._receiver.receive(0.05):
+                channel = self._channel
+                for message in self._receiver.receive(0.005 if channel and channel.waiting() else 0.05,
+                                                      also=channel.fileno() if channel else None):
+                    self._route(message)
+                for message in channel.replies(self._receiver.seen) if channel else ():
                     self._route(message)
                 current = self._current
                 if current is not None and not current.done():
@@ -359,6 +366,8 @@ class Session:
                         current._launcher.kill()  # a stop that did not end the call in time
         finally:
             for message in self._receiver.receive(0.05):
+                self._route(message)
+            for message in self._channel.replies(lambda sender: float("inf")) if self._channel else ():
                 self._route(message)
             if self.state != "closed":
                 self._lose(self._launcher_reason() or "its launcher ended")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 from typing import Any
 
@@ -48,9 +49,12 @@ def read_metrics_files(paths: list[Any], offsets: list[int] | None = None) -> li
     order; a torn last line is skipped."""
     records = []
     for index, path in enumerate(paths):
+        start = offsets[index] if offsets else 0
         try:
+            if os.stat(path).st_size <= start:
+                continue  # nothing (since: a session's call that logged no metrics)
             with open(path, "rb") as file:
-                file.seek(offsets[index] if offsets else 0)
+                file.seek(start)
                 lines = file.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             continue

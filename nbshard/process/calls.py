@@ -24,8 +24,48 @@ from nbshard.rank import monitor
 __all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "user_traceback", "write_error"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
-_main_written: dict[Path, bytes] = {}  # what each notebook-main file holds: a session rewrites it only on change
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbshard's code, all sides
+
+
+class _NotebookMainFile:
+    """The notebook's classes and functions for this rank's spawn-started children, written when
+    the first such child is prepared after a call shipped them (most calls start none, and a
+    session's rank would otherwise pickle them again at every call); rewritten only on change."""
+
+    pending: tuple[Path, dict[str, Any]] | None = None
+    written: dict[Path, bytes] = {}
+    hooked = False
+
+    @classmethod
+    def ship(cls, path: Path, objects: dict[str, Any]) -> None:
+        cls.pending = (path, objects)
+        os.environ[NOTEBOOK_MAIN_ENV] = str(path)
+        if not cls.hooked:  # multiprocessing's spawn and forkserver prepare each child through this
+            import multiprocessing.spawn
+
+            prepare = multiprocessing.spawn.get_preparation_data
+
+            def get_preparation_data(name: str) -> dict[str, Any]:
+                cls.write()
+                return prepare(name)
+
+            multiprocessing.spawn.get_preparation_data = get_preparation_data
+            cls.hooked = True
+
+    @classmethod
+    def write(cls) -> None:
+        if cls.pending is None:
+            return
+        (path, objects), cls.pending = cls.pending, None
+        from nbshard.pickling import dump_result
+
+        try:
+            data = dump_result(objects)
+            if cls.written.get(path) != data:
+                write_atomic(path, data)
+                cls.written[path] = data
+        except Exception:  # noqa: BLE001 - only spawn children would miss them
+            pass
 
 
 def _notebook_objects(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -61,16 +101,7 @@ def _install_notebook_main(objects: dict[str, Any], path: Path, keep: Callable[[
     main.update((k, v) for k, v in objects.items() if keep is None or k not in main or not keep(k, v))
     shippable = {k: v for k, v in objects.items() if getattr(v, "__module__", None) == "__main__"}
     if shippable:
-        from nbshard.pickling import dump_result
-
-        try:
-            data = dump_result(shippable)
-            if _main_written.get(path) != data:
-                write_atomic(path, data)
-                _main_written[path] = data
-            os.environ[NOTEBOOK_MAIN_ENV] = str(path)
-        except Exception:  # noqa: BLE001 - only spawn children would miss them
-            pass
+        _NotebookMainFile.ship(path, shippable)
 
 
 def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
@@ -143,11 +174,13 @@ def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def run_job(
-    paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, call: Callable[..., Any] = call_job,
+    paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, mark_success: bool = True, call: Callable[..., Any] = call_job,
     keep: Callable[[str, Any], bool] | None = None, announce: bool = True, main_file: Path | None = None,
 ) -> int:
     """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
-    for this rank; returns the rank's exit code. A session runs each of its calls this way
+    for this rank; returns the rank's exit code. Where the value is not kept, the result file
+    holds None, as a job's launcher's sign that the rank got through (``mark_success=False``: none,
+    for a session's rank, whose answer says so). A session runs each of its calls this way
     (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
     the job is loaded and runs; ``main_file``: where spawn-started children find the notebook's
     names, ``paths``' own by default)."""
@@ -176,6 +209,8 @@ def run_job(
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the kernel
         write_error(paths, rank, error)
         return 1
+    if not keep_result and not mark_success:
+        return 0
     try:
         write_result(paths.result(rank), value if keep_result else None)
     except Exception as error:  # noqa: BLE001

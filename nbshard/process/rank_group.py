@@ -3,7 +3,7 @@
 ``RankGroup`` starts the ranks as the launcher's children (in its process group), reads their
 stdout and stderr at the file-descriptor level into one log per rank, streams the lines to the
 kernel, sees each exit at once (pidfds), and stops every rank together: stacks (SIGUSR1),
-SIGTERM, then SIGKILL. It watches the kernel (its pipe and its pidfd) and signals from outside.
+SIGTERM, then SIGKILL. It watches the kernel (its stdin and its pidfd) and signals from outside.
 What the ranks run, and what a rank's end or the kernel's words mean, is its ``Driver``'s: a
 job's launcher or a session's.
 """
@@ -315,7 +315,7 @@ class RankGroup:
     # -- the kernel ----------------------------------------------------------
 
     def kernel_lines(self, fd: int) -> list[str]:
-        """The kernel's finished command lines on its pipe (``fd`` readable); none, and the
+        """The kernel's finished command lines on stdin (``fd`` readable); none, and the
         ranks stopped, once the kernel is gone (its end closed: nobody waits for this run)."""
         data = os.read(fd, 1 << 16)
         if not data:
@@ -326,8 +326,8 @@ class RankGroup:
         return [line.decode(errors="replace") for line in lines]
 
     def watch_kernel(self, pid: int | None) -> int | None:
-        """Learn of the kernel's death from the kernel itself, not only from the pipe: a process
-        the notebook forked (a multiprocessing helper) holds the pipe's other end as well."""
+        """Learn of the kernel's death from the kernel itself, not only from stdin: a process
+        the notebook forked (a multiprocessing helper) holds the kernel's end as well."""
         if pid is None:
             return None
         if os.getppid() != pid:  # the kernel started this launcher: another parent means it is gone

@@ -3,11 +3,13 @@
 Its ``RankGroup`` starts and streams the ranks as a job's launcher's does (composition: this is
 that group's ``Driver``); what differs is here.
 
-The kernel writes one line per command on the launcher's stdin (a pipe only it
-holds): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``. The
+The kernel writes one line per command on the launcher's stdin (a socket only it
+holds the other end of): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``, and
+``replies`` (first, where the kernel itself holds that end: each call's end is then answered on
+the same socket, not sent on the wire; ``nbshard.backends.channel``). The
 launcher passes ``CALL DIGEST ALL`` to each rank on a pipe of its own and collects
-their ``CALL STATUS COLLECTIVES SAMPLE`` answers; when every rank has answered it says so on
-the wire (with the ranks' memory samples and the outcome), then writes
+their ``CALL STATUS COLLECTIVES SAMPLE`` answers; when every rank has answered it says so (with
+the ranks' memory samples and the outcome) on the kernel's channel, else on the wire, then writes
 ``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel reads it
 like a job's). A call that some rank cannot
 leave, a rank that dies, or ranks whose collective counts disagree lose the
@@ -23,6 +25,8 @@ import os
 import select
 import selectors
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ from nbshard.process.session_rank import PIPES_ENV
 __all__ = ["SessionLauncher"]
 
 REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, rank)
+REPLY_MAX = 1 << 16  # bytes: a larger end (stacks of a lost session) goes on the wire
 
 
 class CallLog:
@@ -79,6 +84,7 @@ class SessionLauncher:
         self.lost_why: str | None = None
         self.session_logs: dict[int, Any] = {}
         self.ready: set[int] = set()  # ranks that handle an interrupt themselves (before, SIGINT would kill them)
+        self.back: socket.socket | None = None  # the kernel's channel, once it asked for replies on it
 
     # -- ranks and their pipes --------------------------------------------
 
@@ -143,6 +149,8 @@ class SessionLauncher:
                 self.lose("the kernel stopped the session at once", stacks=False)
             elif command == "close":
                 self.close_session()
+            elif command == "replies":
+                self.back = socket.socket(fileno=os.dup(sys.stdin.fileno()))
             elif command == POST_MORTEM and self.call is None and int(words[0]) in self.commands:
                 os.write(self.commands[int(words[0])], f"{POST_MORTEM}\n".encode())
 
@@ -236,10 +244,14 @@ class SessionLauncher:
     def finish_call(self, status: Status, diverged: bool = False) -> None:
         assert self.call_dir is not None
         now = time.time()
-        for proc in self.group.ranks:  # what a rank printed before it answered belongs to the call
-            for fd in list(proc.open_fds):
-                while fd in proc.open_fds and select.select([fd], [], [], 0)[0]:
-                    self.group.read_output(proc, fd, now)
+        # What a rank printed before it answered belongs to the call.
+        owners = {fd: proc for proc in self.group.ranks for fd in proc.open_fds}
+        while owners and (readable := select.select(list(owners), [], [], 0)[0]):
+            for fd in readable:
+                self.group.read_output(owners[fd], fd, now)
+                if fd not in owners[fd].open_fds:
+                    del owners[fd]
+        for proc in self.group.ranks:
             self.group.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
         errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
         outcome = RunOutcome(
@@ -256,8 +268,9 @@ class SessionLauncher:
         # The end carries the ranks' samples and the outcome, so the kernel has what the ranks hold
         # after the call and need not wait for the file; the file (written next) is the record, and
         # what the kernel reads when the message is late or lost.
-        self.group.send({"kind": "end", "status": status, "storage_error": self.group.storage_error,
-                         "outcome": record, "samples": samples})
+        end = {"kind": "end", "status": status, "storage_error": self.group.storage_error, "outcome": record, "samples": samples}
+        if not self.reply(end):
+            self.group.send(end)
         write_json(self.call_dir.outcome, record)
         for proc in self.group.ranks:
             proc.log.close()
@@ -265,11 +278,33 @@ class SessionLauncher:
         self.call = self.call_dir = None
         self.call_deadline = self.leave_by = float("inf")
 
+    def reply(self, message: dict[str, Any]) -> bool:
+        """``message`` on the kernel's channel, after the lines still waiting; False where it cannot
+        go there at once and whole (the wire carries it): the launcher never waits for the kernel."""
+        if self.back is None:
+            return False
+        self.group.flush_lines()
+        sender = self.group.sender
+        data = json.dumps({**self.tag(message), "from": sender.id, "after": sender.sent}, separators=(",", ":")).encode() + b"\n"
+        if len(data) > REPLY_MAX:
+            return False
+        try:
+            sent = self.back.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            sent = 0
+        if sent < len(data):  # the kernel is gone, or its end is full: a torn line is never read as a reply
+            self.back.close()
+            self.back = None
+            return False
+        return True
+
     def rank_outcome(self, proc: Rank) -> RankOutcome:
         assert self.call_dir is not None
         reply = self.replies.get(proc.rank)
         if reply is not None:
-            ok = reply[0] == "ok" and self.call_dir.result(proc.rank).exists()
+            ok = reply[0] == "ok"  # its value (rank 0's, or all with return_all) is written before it answers
             return RankOutcome(proc.rank, 0 if ok else 1, ok, reply[2], stopped=reply[0] == "interrupted")
         return RankOutcome(proc.rank, proc.returncode, False, proc.ended_at or time.time(),
                            stopped=proc.rank != self.group.first_failure, stacks=proc.stacks)

@@ -170,7 +170,7 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             calls.write_error(paths, rank, ValueError(f"the job file {paths.job} is not the one the kernel wrote"))
             status = "error"
         else:
-            code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", call=call_in_session, announce=False,
+            code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", mark_success=False, call=call_in_session, announce=False,
                                   keep=lambda name, value: not is_notebook_code(value), main_file=run_dir.notebook_main(rank))
             status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
         _State.assigned = False
