@@ -5,7 +5,10 @@ another: a trivial call, a call whose value is pulled back (a 1,000-element list
 with one 4-byte all_reduce and one with a 1 MiB all_reduce. The same calls on the peers, in
 the same run, rounds alternated: two Ray actors (each in a gloo group with the other,
 ``ray.get`` of both) and two ipyparallel engines (a ``DirectView`` over both), each skipped
-with a reason where it is not installed. Medians and the 99th percentile over ``calls``.
+with a reason where it is not installed. Medians and the 99th percentile over ``calls``; "steady"
+leaves out each round's first call (the first after the other peers' rounds, a wake-up from
+idle), which is measured on its own: a trivial call after 0.3 s without calls, as a person's
+cells come (every peer here is slower then: idle cores and processes wake).
 
 Every launch starts the next warm process, which imports torch for a few seconds on the same
 cores; the figures are taken after it settled, as a person's calls come seconds after the
@@ -73,6 +76,7 @@ def stuck_on_rank_0() -> None:
     time.sleep(60)
 
 
+PAUSED = "after a 0.3 s pause"
 KINDS: dict[str, tuple[Callable[..., object], tuple[object, ...]]] = {
     "trivial": (trivial, ()),
     "value pulled": (pulled, ()),
@@ -175,14 +179,21 @@ def time_to_interrupt(session: nbshard.Session, fn: Callable[[], None], marker: 
     return time.perf_counter() - started, type(handle.exception()).__name__
 
 
+PAUSE = 0.3  # seconds without calls before each "after a pause" call
+PAUSED_CALLS = 30  # per peer
+
+
 def quantile(values: list[float], q: float) -> float:
     return sorted(values)[min(int(q * len(values)), len(values) - 1)]
 
 
 def main(calls: int, alone: bool) -> None:
-    print(f"{os.cpu_count()} CPUs; {calls} calls of each kind per peer, in rounds of 10, peers alternated")
+    print(f"{os.cpu_count()} CPUs; {calls} calls of each kind per peer, in rounds of 10, peers alternated; "
+          f"then {PAUSED_CALLS} trivial calls per peer, each after {PAUSE:g} s without calls")
     peers = start_peers(alone)
-    times = {(peer.name, kind): [] for peer in peers for kind in KINDS}  # type: ignore[attr-defined]
+    kinds = [*KINDS, PAUSED]
+    times = {(peer.name, kind): [] for peer in peers for kind in kinds}  # type: ignore[attr-defined]
+    steady = {(peer.name, kind): [] for peer in peers for kind in KINDS}  # type: ignore[attr-defined]
     for peer in peers:  # warm-up
         for fn, args in KINDS.values():
             for _ in range(5):
@@ -191,16 +202,25 @@ def main(calls: int, alone: bool) -> None:
     for _ in range(max(1, calls // 10)):
         for peer in peers:
             for kind, (fn, args) in KINDS.items():
-                times[peer.name, kind] += [timed(peer, fn, args) for _ in range(10)]  # type: ignore[attr-defined]
+                round_times = [timed(peer, fn, args) for _ in range(10)]
+                times[peer.name, kind] += round_times  # type: ignore[attr-defined]
+                steady[peer.name, kind] += round_times[1:]  # type: ignore[attr-defined]
+    for _ in range(PAUSED_CALLS):
+        for peer in peers:
+            time.sleep(PAUSE)
+            times[peer.name, PAUSED].append(timed(peer, trivial, ()))  # type: ignore[attr-defined]
     ours = peers[0]
     print(f"2 CPU ranks, each in a gloo group; nbshard warm start: {ours.warm}")  # type: ignore[attr-defined]
-    for kind in KINDS:
+    for kind in kinds:
         base = statistics.median(times[ours.name, kind])  # type: ignore[attr-defined]
         for peer in peers:
             values = times[peer.name, kind]  # type: ignore[attr-defined]
             median = statistics.median(values)
             ratio = "" if peer is ours else f"   nbshard/peer {base / median:4.2f}"
-            print(f"  {kind:17s} {peer.name:20s} median {median * 1e3:6.2f} ms   p99 {quantile(values, 0.99) * 1e3:6.2f} ms{ratio}")  # type: ignore[attr-defined]
+            still = steady.get((peer.name, kind))  # type: ignore[attr-defined]
+            steady_p99 = f" (steady {quantile(still, 0.99) * 1e3:5.2f})" if still else " " * 16
+            print(f"  {kind:17s} {peer.name:20s} median {median * 1e3:6.2f} ms   "  # type: ignore[attr-defined]
+                  f"p99 {quantile(values, 0.99) * 1e3:6.2f} ms{steady_p99}{ratio}")
     for peer in peers[1:]:
         peer.close()  # type: ignore[attr-defined]
     session = ours.session  # type: ignore[attr-defined]

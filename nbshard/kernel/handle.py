@@ -487,11 +487,14 @@ class JobHandle:
             self._receiver.close()
             self._finish()
 
+    _results_removed_later = False  # a session's call removes its result files after waking its caller
+
     def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         """The job's value or its exception, from its run directory."""
         return collect(
             files, self._paths, outcome, world_size=self.world_size, return_all=self.job.return_all,
             timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
+            remove_later=self._results_removed_later,
         )
 
     def _read_outcome(self, files: OpenedDir) -> RunOutcome | None:

@@ -7,6 +7,7 @@ never one put at its path since.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from typing import Any
 
@@ -55,17 +56,24 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[RankOutcome]) 
     return sorted(failures, key=lambda f: (not f.lost, f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
-def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, world_size: int) -> list[Any]:
+def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, world_size: int, remove: bool) -> list[Any]:
     """The ranks' values, each read as a stream; then every result file goes (the values live on,
-    and a large one should not fill the disk for as long as the run directory is kept)."""
+    and a large one should not fill the disk for as long as the run directory is kept), unless
+    the caller removes them later (``remove_results``)."""
     values = []
     for rank in ranks:
         with files.open(run_dir.result(rank)) as file:
             values.append(pickle.load(file))
+    if remove:
+        remove_results(run_dir, world_size, files)
+    return values
+
+
+def remove_results(run_dir: RunDir, world_size: int, files: OpenedDir | None = None) -> None:
+    """Every rank's result file, gone (through ``files`` where the directory is open)."""
     for rank in range(world_size):
         with contextlib.suppress(OSError):
-            files.unlink(run_dir.result(rank))
-    return values
+            files.unlink(run_dir.result(rank)) if files else os.unlink(run_dir.result(rank))
 
 
 def _earlier_attempts(outcome: RunOutcome) -> str:
@@ -119,11 +127,13 @@ def collect(
     timeout: float | None,
     launcher_exit: int | None,
     storage_error: str | None = None,
+    remove_later: bool = False,
 ) -> tuple[Any, JobError | None]:
     """(value, None) for a job that succeeded, else (None, the exception to raise).
 
     ``storage_error``: why the launcher could not write the run's files, as its last message
-    said (when it could not write ``outcome.json`` either).
+    said (when it could not write ``outcome.json`` either). ``remove_later``: the caller removes
+    the result files (``remove_results``) once it has woken whoever waits for the value.
     """
     where = str(run_dir.path)
     storage_error = (outcome.storage_error if outcome else None) or storage_error
@@ -143,7 +153,7 @@ def collect(
     status = outcome.status
     if status is Status.SUCCEEDED:
         try:
-            values = _load_values(files, run_dir, range(world_size) if return_all else range(1), world_size)
+            values = _load_values(files, run_dir, range(world_size) if return_all else range(1), world_size, not remove_later)
         except Exception as error:  # noqa: BLE001 - reported with its cause
             failed = JobFailed(
                 f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "

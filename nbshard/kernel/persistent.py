@@ -10,6 +10,7 @@ job: live lines, memory, results and tracebacks are the job's. Nothing here impo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import itertools
 import os
@@ -28,6 +29,7 @@ from nbshard.kernel.display import render_html
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, SessionLost
 from nbshard.files import OpenedDir, mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
+from nbshard.kernel.outcome import remove_results
 from nbshard.kernel.plots import Plot, charts_of
 from nbshard.job import CANCEL, KILL, POST_MORTEM, Job, RunDir, check_seconds
 from nbshard.pickling import dump_job, write_sources
@@ -97,11 +99,15 @@ class CallHandle(JobHandle):
         self.warm = session.warm
         self.stage = "running"  # in ranks that are up already
 
+    _results_removed_later = True
+
     def _end(self, outcome: dict[str, Any] | None = None) -> None:
         """The call ended (``outcome``: as the launcher's end message carried it); once only."""
         if self._channel.poll() is None:
             self._channel.end(outcome)
             self._finish()
+            remove_results(self._paths, self.world_size)  # its caller has the value already
+            self._session._prepare_call_dir()
 
     def _run_callbacks(self, callbacks: list[Callable[[JobHandle], Any]]) -> None:
         # Not on the session's thread, which ended this call: a callback may start the next call
@@ -166,6 +172,8 @@ class Session:
         self._current: CallHandle | None = None
         self._post_mortem: PostMortem | None = None
         self._numbers = itertools.count(1)
+        self._ready_dir: RunDir | None = None  # the next call's folder, made ahead
+        self._metrics_paths = [self._paths.metrics(rank) for rank in range(self.world_size)]
         self._channel = getattr(self._launcher, "channel", None)  # this kernel's own end of the launcher's stdin
         if self._channel is not None:
             self._command("replies")  # each call's end comes back on it: a hop shorter than the wire
@@ -204,9 +212,8 @@ class Session:
                     f"session {self.name!r} is still running {self._current.job.label}: one call runs at a time. "
                     "Wait for it (handle.result()) or interrupt it (handle.cancel())."
                 )
-            call = f"{next(self._numbers):04d}"
-            call_dir = RunDir(self.run_dir / "calls" / call)
-            os.mkdir(call_dir.path, 0o700)  # in calls/, made with the session
+            call_dir, self._ready_dir = self._ready_dir or self._new_call_dir(), None
+            call = call_dir.path.name
             with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
                 job_file.write(payload)
             write_sources(call_dir, payload)
@@ -242,8 +249,20 @@ class Session:
         if found is False:
             raise ValueError(f"rank {rank} of session {self.name!r} kept no traceback of the last call (it failed in nbshard's own frames)")
 
+    def _new_call_dir(self) -> RunDir:
+        call_dir = RunDir(self.run_dir / "calls" / f"{next(self._numbers):04d}")
+        os.mkdir(call_dir.path, 0o700)  # in calls/, made with the session
+        return call_dir
+
+    def _prepare_call_dir(self) -> None:
+        """The next call's folder, made once a call ended rather than when the next one starts."""
+        with self._lock:
+            if self._ready_dir is None and self.state != "closed":
+                with contextlib.suppress(OSError):  # the next call makes it, and says why it cannot
+                    self._ready_dir = self._new_call_dir()
+
     def _metrics_files(self) -> list[Path]:
-        return [self._paths.metrics(rank) for rank in range(self.world_size)]
+        return self._metrics_paths
 
     def _metrics_offsets(self) -> list[int]:
         """How far each rank's metrics file goes now: where the next call's records start."""
