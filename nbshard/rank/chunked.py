@@ -10,7 +10,9 @@ like any sharded parameter) and its module computes in chunks: each step
 gathers a few rows from every rank, uses them and lets them go; in backward the
 chunk's gradient is reduce-scattered to the rows' owners, averaged over the
 ranks and added to the parameter's ``.grad``, as FSDP2 does. Every rank keeps
-its own batch (data parallel), of any shape. Only plain ``nn.Linear`` and
+its own batch (data parallel), of any shape. As FSDP2 prefetches the next unit, the next
+chunk's gather runs while this one computes, and a chunk's reduce-scatter while the next
+chunk's gradient is computed (two chunks held at a time). Only plain ``nn.Linear`` and
 ``nn.Embedding`` (without ``max_norm``, ``sparse`` or ``scale_grad_by_freq``)
 are taken.
 """
@@ -18,6 +20,7 @@ are taken.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,22 +60,40 @@ class _Rows:
     def chunks(self) -> range:
         return range(0, self.per_rank, self.chunk)
 
-    def gather(self, local: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
-        """Rows [start, start + chunk) of every rank's shard: (world, chunk, ...), zeros past a shard's end."""
+    def gathers(self, local: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each chunk's start and its rows of every rank's shard, (world, chunk, ...) (zeros past a
+        shard's end), the next chunk's gather running while the caller computes with this one
+        (as FSDP2 prefetches the next unit): two chunks are held at a time."""
+        starts = list(self.chunks())
+        pending = self._start_gather(local, starts[0])
+        for index, start in enumerate(starts):
+            work, gathered = pending
+            work.wait()
+            if index + 1 < len(starts):
+                pending = self._start_gather(local, starts[index + 1])
+            yield start, gathered.view(self.world, self.chunk, *local.shape[1:]).to(dtype)
+
+    def _start_gather(self, local: torch.Tensor, start: int) -> tuple[Any, torch.Tensor]:
         piece = local[start:start + self.chunk]
         if len(piece) < self.chunk:  # past the shard's end: zeros, as every rank sends as many rows
             piece = torch.cat([piece, piece.new_zeros((self.chunk - len(piece), *local.shape[1:]))])
         gathered = torch.empty((self.world * self.chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_single(gathered, piece, group=self.group)
-        return gathered.view(self.world, self.chunk, *local.shape[1:]).to(dtype)
+        return dist.all_gather_single(gathered, piece.contiguous(), group=self.group, async_op=True), gathered
 
-    def reduce(self, grad: torch.Tensor, local_grad: torch.Tensor, start: int) -> None:
-        """Sum ``grad`` (world, chunk, ...) over the ranks into the owners' rows, averaged as FSDP2 does."""
+    def reduce(self, grad: torch.Tensor, local_grad: torch.Tensor, start: int) -> Callable[[], None]:
+        """Start summing ``grad`` (world, chunk, ...) over the ranks into the owners' rows, averaged
+        as FSDP2 does; the returned function waits for it and adds it (the caller computes the next
+        chunk's gradient meanwhile)."""
         grad = grad.to(local_grad.dtype).reshape(self.world * self.chunk, *grad.shape[2:]).contiguous()
         mine = torch.empty((self.chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(mine, grad, group=self.group)
-        rows = local_grad[start:start + self.chunk]
-        rows += mine[: len(rows)].div_(self.world)
+        work = dist.reduce_scatter_single(mine, grad, group=self.group, async_op=True)
+
+        def add() -> None:
+            work.wait()
+            rows = local_grad[start:start + self.chunk]
+            rows += mine[: len(rows)].div_(self.world)
+
+        return add
 
     def padded(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s last dimension (one entry per row) padded to world * per_rank, viewed (..., world, per_rank)."""
@@ -90,8 +111,7 @@ class _ChunkedLinear(torch.autograd.Function):
         ctx.rows, ctx.module = rows, module
         out = x.new_empty(*x.shape[:-1], rows.world * rows.per_rank)
         grid = out.view(*x.shape[:-1], rows.world, rows.per_rank)  # column r * per_rank + j: rank r's row j
-        for start in rows.chunks():
-            piece = rows.gather(weight, start, x.dtype)  # (world, chunk, in)
+        for start, piece in rows.gathers(weight, x.dtype):  # piece: (world, chunk, in)
             width = min(rows.chunk, rows.per_rank - start)
             part = (x @ piece.flatten(0, 1).T).unflatten(-1, (rows.world, rows.chunk))
             grid[..., start:start + width] = part[..., :width]
@@ -110,23 +130,26 @@ class _ChunkedLinear(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
         grad_weight = _grad_of(ctx.module.weight) if ctx.needs_input_grad[1] else None
         flat_x = x.reshape(-1, x.shape[-1])
-        for start in rows.chunks():
+        pieces = rows.gathers(weight, x.dtype) if grad_x is not None else ((start, None) for start in rows.chunks())
+        reducing = _Reductions()
+        for start, piece in pieces:
             g = torch.zeros((*grad_out.shape[:-1], rows.world, rows.chunk), dtype=grad_out.dtype, device=grad_out.device)
             width = min(rows.chunk, rows.per_rank - start)
             g[..., :width] = grad_padded[..., start:start + width]
             g = g.flatten(-2)
             if grad_x is not None:
-                grad_x += g @ rows.gather(weight, start, x.dtype).flatten(0, 1)
+                grad_x += g @ piece.flatten(0, 1)
             if grad_weight is not None:
                 piece_grad = g.reshape(-1, g.shape[-1]).T @ flat_x  # (world * chunk, in)
-                rows.reduce(piece_grad.view(rows.world, rows.chunk, -1), grad_weight, start)
+                reducing.next(rows.reduce(piece_grad.view(rows.world, rows.chunk, -1), grad_weight, start))
         if ctx.needs_input_grad[2]:
             whole = rows.padded(grad_out.reshape(-1, grad_out.shape[-1]).sum(0))  # (world, per_rank)
             grad_bias = _grad_of(ctx.module.bias)
             for start in rows.chunks():
                 grad = whole[:, start:start + rows.chunk]
                 grad = nn.functional.pad(grad, (0, rows.chunk - grad.shape[-1]))
-                rows.reduce(grad, grad_bias, start)
+                reducing.next(rows.reduce(grad, grad_bias, start))
+        reducing.finish()
         return grad_x, None, None, None, None  # the parameters' gradients are in their .grad
 
 
@@ -141,8 +164,7 @@ class _ChunkedEmbedding(torch.autograd.Function):
         ctx.save_for_backward(owner, row)
         ctx.rows, ctx.module = rows, module
         out = torch.empty((*ids.shape, weight.shape[1]), dtype=dtype, device=weight.device)
-        for start in rows.chunks():
-            piece = rows.gather(weight, start, dtype)
+        for start, piece in rows.gathers(weight, dtype):
             here = (row >= start) & (row < start + rows.chunk)
             out[here] = piece[owner[here], row[here] - start]
         return out
@@ -155,12 +177,31 @@ class _ChunkedEmbedding(torch.autograd.Function):
         if padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
             grad_out = grad_out.masked_fill((owner * rows.per_rank + row == padding_idx).unsqueeze(-1), 0)
         grad_weight = _grad_of(ctx.module.weight)
+        reducing = _Reductions()
         for start in rows.chunks():
             here = (row >= start) & (row < start + rows.chunk)
             piece = torch.zeros((rows.world, rows.chunk, grad_out.shape[-1]), dtype=grad_out.dtype, device=grad_out.device)
             piece.index_put_((owner[here], row[here] - start), grad_out[here], accumulate=True)
-            rows.reduce(piece, grad_weight, start)
+            reducing.next(rows.reduce(piece, grad_weight, start))
+        reducing.finish()
         return None, None, None, None, None  # the weight's gradient is in its .grad
+
+
+class _Reductions:
+    """A chunk's gradient reduce-scatter runs while the next chunk's is computed: one at a time
+    in flight, each waited for (and added) before the next starts."""
+
+    def __init__(self) -> None:
+        self._pending: Callable[[], None] | None = None
+
+    def next(self, add: Callable[[], None]) -> None:
+        self.finish()
+        self._pending = add
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._pending()
+            self._pending = None
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:
@@ -173,7 +214,7 @@ def _grad_of(param: nn.Parameter) -> torch.Tensor:
 
 def _gathered_whole(local: torch.Tensor, rows: _Rows) -> torch.Tensor:
     """A small row-sharded tensor (a bias) gathered whole: (rows,)."""
-    chunks = torch.cat([rows.gather(local, start, local.dtype) for start in rows.chunks()], dim=1)
+    chunks = torch.cat([piece for _, piece in rows.gathers(local, local.dtype)], dim=1)
     return chunks[:, : rows.per_rank].flatten()[: rows.rows]
 
 
