@@ -105,6 +105,13 @@ def test_large_embeddings_and_heads_are_units_of_their_own_or_gathered_in_chunks
         assert torch.allclose(result[0]["state"][key], value, atol=1e-6), key
 
 
+def test_an_embedding_and_head_no_larger_than_a_layer_are_gathered_whole():
+    # Chunks pay only where gathering a unit whole would raise the peak: here a layer is larger.
+    result = nbshard.run(sharded_models.large_vocabulary, 200, False, True, nproc=2, return_all=True)  # 6,400 < 8,416
+    assert result[0]["units"] == ["blocks.0", "blocks.1", "blocks.2", "embed", "head"], result[0]["units"]
+    assert result[0]["chunked"] == []
+
+
 def test_chunked_embeddings_and_heads_save_and_load_sharded_and_full(tmp_path):
     result = nbshard.run(sharded_models.large_vocabulary_round_trip, str(tmp_path / "sharded"), str(tmp_path / "full.pt"),
                          nproc=2)

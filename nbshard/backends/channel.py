@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["Channel", "REPLY_WAIT"]
 
-REPLY_WAIT = 1.0  # seconds a reply waits for the wire's messages sent before it (one dropped is not waited for longer)
+REPLY_WAIT = 2.0  # seconds a reply waits at most for the wire's messages sent before it (lost only with their sender)
 
 
 class Channel:

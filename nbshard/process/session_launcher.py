@@ -65,6 +65,16 @@ class CallLog:
             self._file.close()
 
 
+def _socket_of(fd: int) -> socket.socket | None:
+    """A socket object over (a copy of) ``fd``; None where it is not a socket (a pipe: the wire it is)."""
+    copy = os.dup(fd)
+    try:
+        return socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return None
+
+
 class SessionLauncher:
     """Runs the kernel's calls on this node's ranks, which stay up between them."""
 
@@ -150,7 +160,7 @@ class SessionLauncher:
             elif command == "close":
                 self.close_session()
             elif command == "replies":
-                self.back = socket.socket(fileno=os.dup(sys.stdin.fileno()))
+                self.back = _socket_of(sys.stdin.fileno())
             elif command == POST_MORTEM and self.call is None and int(words[0]) in self.commands:
                 os.write(self.commands[int(words[0])], f"{POST_MORTEM}\n".encode())
 

@@ -138,7 +138,8 @@ def build_sharded(
     or a list of modules sharded together (default: ``default_blocks``, the layers of
     each ``nn.ModuleList`` and large embeddings and heads). With ``gather_in_chunks``
     a unit made only of plain ``nn.Embedding``/``nn.Linear`` layers (a vocabulary's
-    embedding and head) is not gathered whole around its use but a chunk of rows at a
+    embedding and head) and larger than every other unit (so that gathering it whole
+    would raise the peak) is not gathered whole around its use but a chunk of rows at a
     time, each chunk half the size of the largest other unit (``nbshard.chunked``).
     ``shard_options`` go to ``fully_shard`` (``mesh``, ``mp_policy``, ...). ``device``
     defaults to this rank's GPU, or the CPU. ``return_freed_memory`` (default: on for a
@@ -160,11 +161,14 @@ def build_sharded(
     if mesh is None:  # what fully_shard would make: one dimension over every rank
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     shard_options = {**shard_options, "mesh": mesh}  # one mesh for every sharded parameter
-    chunked = [unit for unit in units if gather_in_chunks and mesh.ndim == 1 and all(map(can_chunk, unit))]
+    chunkable = [unit for unit in units if gather_in_chunks and mesh.ndim == 1 and all(map(can_chunk, unit))]
+    others = [_parameter_bytes(unit) for unit in units if unit not in chunkable]
+    # In chunks only where gathering it whole would raise the peak: a unit larger than every other.
+    chunked = [unit for unit in chunkable if _parameter_bytes(unit) > max(others, default=0)]
     whole = [unit for unit in units if unit not in chunked]
     ignored = set(shard_options.pop("ignored_params", None) or ())
     if chunked:
-        largest = max((_parameter_bytes(unit) for unit in whole), default=64 * 2**20)
+        largest = max(others, default=64 * 2**20)
         mp_policy = shard_options.get("mp_policy")
         ignored |= shard_by_rows([module for unit in chunked for module in unit], mesh, largest // 2,
                                  mp_policy.param_dtype if mp_policy is not None else None)
