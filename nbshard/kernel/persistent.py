@@ -379,7 +379,7 @@ class Session:
                     self._route(message)
                 current = self._current
                 if current is not None and not current.done():
-                    if current._paths.outcome.exists():
+                    if current._paths.outcome.exists() and not self._end_on_channel():
                         current._end()  # its end message is late, or lost
                     elif time.monotonic() > current._kill_at:
                         current._launcher.kill()  # a stop that did not end the call in time
@@ -394,6 +394,16 @@ class Session:
             self._receiver.close()
             if self._current is not None:
                 self._current._end()
+
+    def _end_on_channel(self) -> bool:
+        """Whether the channel brought the current call's end, or holds it until the wire's lines
+        before it arrived. The launcher answers before it writes the outcome file, so once that
+        file is there, the answer is read here: the file never ends a call ahead of its lines."""
+        if self._channel is None:
+            return False
+        for message in self._channel.replies(self._receiver.seen):
+            self._route(message)
+        return self._current is None or self._current.done() or self._channel.waiting()
 
     def _route(self, message: dict[str, Any]) -> None:
         kind, call, current = message.get("kind"), message.get("call"), self._current
