@@ -18,14 +18,14 @@ from typing import Any
 
 from nbshard.backends import LauncherProcess, WarmLauncher
 from nbshard.kernel.backlog import LiveBacklog
-from nbshard.kernel.debugging import QUIT_COMMANDS, RankDebugger
+from nbshard.kernel import watching
+from nbshard.kernel.debugging import RankDebugger
 from nbshard.contracts import Attempt, RunOutcome
-from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity, read_json
 from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
 from nbshard.kernel.outcome import collect, read_outcome
-from nbshard.kernel.plots import Plot, charts_html, charts_of
+from nbshard.kernel.plots import Plot, charts_of
 from nbshard.kernel.profiles import ProfileReport
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
@@ -34,12 +34,6 @@ __all__ = ["JobHandle", "running_jobs"]
 
 END_MESSAGE_WAIT = 1.0  # after the launcher exits, how long its last messages may take
 KILL_MARGIN = 2.0  # past the launcher's own deadline, the kernel SIGKILLs its whole group
-LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far more than a person reads,
-# and below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
-# cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
-LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
-MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
-LIVE_CHART_SIZE = (300, 160)  # pixels of each chart in a live view (handle.plot() draws them larger)
 
 _running: set[JobHandle] = set()
 _running_lock = threading.Lock()
@@ -183,7 +177,7 @@ class JobHandle:
         failures = self._exception.failures if self._exception is not None else ()
         return {failure.rank: failure.stacks for failure in failures if failure.stacks}
 
-    # -- live output -------------------------------------------------------
+    # -- live output (kernel/watching.py) ------------------------------------
 
     def watch(self, out: Any = None) -> None:
         """Print the ranks' output as it arrives until the job ends.
@@ -195,96 +189,7 @@ class JobHandle:
         once every rank is gone as a short ``JobInterrupted`` (a KeyboardInterrupt)
         that says where each rank was.
         """
-        out = out or sys.stdout
-        printer = LinePrinter(self.job.show_ranks)
-        live = LiveDisplay(self._render_view) if out is sys.stdout and in_notebook() else None
-        next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
-        most = LIVE_LINES_PER_TICK if live is not None else None
-        self._live.patient = live is None  # a terminal takes every line: the drain waits for it
-        self._debugger.watched = True
-        try:
-            while not self._live.wait(self._done, paced=live is not None):
-                self._print_live(printer, out, most=most)
-                while self._debugger.waiting():
-                    self._print_live(printer, out, most=None)
-                    if live is not None:
-                        live.update()
-                    self._answer_prompt(printer, out)
-                if live is not None:
-                    live.update(LIVE_VIEW_INTERVAL)
-                elif time.monotonic() > next_memory_text:
-                    next_memory_text += MEMORY_TEXT_INTERVAL
-                    self._print_live(printer, out, text=self._memory_text(peak=False))
-        except KeyboardInterrupt:
-            self._print_live(printer, out, text=f"interrupted: stopping {self.job.label} (interrupt again to kill it now)")
-            try:
-                self.cancel(wait=False)
-                while not self._done.wait(0.1):
-                    self._print_live(printer, out)
-            except KeyboardInterrupt:
-                self.kill()
-                self._done.wait()
-            raise self._interrupted() from None
-        finally:
-            self._live.patient = self._debugger.watched = False
-            self._print_live(printer, out, text=None if live is not None else self._memory_text(peak=True), most=None)
-            out.write(printer.close())
-            out.flush()
-            if live is not None:
-                live.update()  # the summary stays in the cell
-            if self.job.profile and self.done():
-                self._show_profile(out, in_notebook_cell=live is not None)
-
-    def _answer_prompt(self, printer: LinePrinter, out: Any) -> None:
-        """Ask the person about a rank's debugger prompt (pdb's output shown first)."""
-        def write(text: str) -> None:
-            out.write(text)
-            out.flush()
-
-        line = self._debugger.answer(write, self.done)
-        if line is not None and line.strip() in QUIT_COMMANDS:
-            self._print_live(printer, out, text=f"stopping {self.job.label}: a rank's debugger was quit")
-
-    def _answer_debugger(self, command: bytes, stop: bool) -> None:
-        """Send a debugger's answer to the launcher; ``stop``: it was a quit, which cancels the job
-        (in the same write, so the launcher stops the ranks before it sees the quitting one end)."""
-        if stop and not self.done():
-            self._launcher.request(command + CANCEL)
-            self._kill_at = min(self._kill_at, time.monotonic() + STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN)
-        else:
-            self._launcher.request(command)
-
-    def _show_profile(self, out: Any, in_notebook_cell: bool) -> None:
-        report = self.profile()
-        if in_notebook_cell:
-            from IPython.display import display
-
-            display(report)
-        else:
-            out.write(f"{report!r}\n")
-            out.flush()
-
-    def _interrupted(self) -> BaseException:
-        """What an interrupt raises once the job has ended."""
-        return JobInterrupted(self.job.label, self._exception)
-
-    def _memory_text(self, peak: bool) -> str | None:
-        """One line of each rank's memory (now, or its peak), or None before any sample."""
-        views = [v for v in self._telemetry.views() if v.device]
-        if not views:
-            return None
-        label = "peak memory" if peak else "memory"
-        return f"{label}: " + ", ".join(
-            f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views
-        )
-
-    def _print_live(self, printer: LinePrinter, out: Any, text: str | None = None, most: int | None = LIVE_LINES_PER_TICK) -> None:
-        chunks = self._live.feed(printer, most)
-        if text:
-            chunks.append(printer.note(text))
-        if chunks:
-            out.write("".join(chunks))
-            out.flush()
+        watching.watch(self, out or sys.stdout)
 
     def show_live(self, refresh: float = 0.5) -> None:
         """Show the job in one notebook output that updates in place, without blocking.
@@ -295,35 +200,20 @@ class JobHandle:
         ``refresh`` seconds, and how the job ended.
         """
         check_seconds("refresh", refresh)
-        tail = TailView(self.job.show_ranks)
-        live = LiveDisplay(lambda: self._render_view(tail))
-        lock = threading.Lock()
+        watching.show_live(self, refresh)
 
-        def update(_: Any = None) -> None:
-            with lock:
-                self._live.feed(tail)
-                live.update()
+    def _answer_debugger(self, command: bytes, stop: bool) -> None:
+        """Send a debugger's answer to the launcher; ``stop``: it was a quit, which cancels the job
+        (in the same write, so the launcher stops the ranks before it sees the quitting one end)."""
+        if stop and not self.done():
+            self._launcher.request(command + CANCEL)
+            self._kill_at = min(self._kill_at, time.monotonic() + STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN)
+        else:
+            self._launcher.request(command)
 
-        def refresh_until_done() -> None:
-            while not self._done.wait(refresh):
-                update()
-
-        threading.Thread(target=refresh_until_done, name=f"nbshard-view-{self.run_dir.name}", daemon=True).start()
-        self.add_done_callback(update)  # the last view, after earlier callbacks (e.g. pulls) ran
-
-    def _render_view(self, tail: TailView | None = None) -> tuple[str, str]:
-        """(HTML, text) of the live view: summary, each rank's memory and metrics, their charts
-        once there is a curve to draw, newest lines."""
-        title, views = self.summary(), self._telemetry.views()
-        lines = tail.render() if tail is not None else ""
-        text = render_text(title, views) + (f"\n{lines}" if lines else "")
-        return render_html(title, views, lines, self._live_charts()), text
-
-    def _live_charts(self) -> str:
-        memory, metrics = self._telemetry.memory(), self._telemetry.metrics()
-        if len(memory) < 2 * self.world_size and not metrics:
-            return ""  # a memory chart of one point per rank says less than the table
-        return charts_html(charts_of(memory, metrics, self.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
+    def _interrupted(self) -> BaseException:
+        """What an interrupt raises once the job has ended."""
+        return JobInterrupted(self.job.label, self._exception)
 
     def profile(self) -> ProfileReport:
         """A job run with ``profile=True``: per rank, the operators with the most self time and

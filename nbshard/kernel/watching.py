@@ -1,0 +1,174 @@
+"""A running job shown as it runs: ``JobHandle.watch`` and ``JobHandle.show_live``.
+
+``watch`` prints the ranks' lines as they arrive, with a live view of each rank's memory
+and metrics above them in a notebook (a memory line now and then in a terminal), asks the
+person about a rank's debugger prompt, and turns an interrupt into a cancel. ``show_live``
+keeps one notebook output updated in place from a thread, without blocking the cell.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from nbshard.job import Job
+from nbshard.kernel.backlog import LiveBacklog
+from nbshard.kernel.debugging import QUIT_COMMANDS, RankDebugger
+from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
+from nbshard.kernel.plots import charts_html, charts_of
+from nbshard.kernel.profiles import ProfileReport
+from nbshard.kernel.telemetry import Telemetry
+
+__all__ = ["Watched", "show_live", "watch"]
+
+LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far more than a person reads,
+# and below Jupyter's output rate limit; a faster flood waits in the backlog, then is dropped from the
+# cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
+LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
+MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
+LIVE_CHART_SIZE = (300, 160)  # pixels of each chart in a live view (handle.plot() draws them larger)
+
+
+class Watched(Protocol):
+    """What showing a job needs of its handle (a ``JobHandle``; its private parts are these
+    helpers' to read, not the person's)."""
+
+    job: Job
+    world_size: int
+    started: float
+    run_dir: Path
+    _live: LiveBacklog
+    _done: threading.Event
+    _debugger: RankDebugger
+    _telemetry: Telemetry
+
+    def done(self) -> bool: ...
+    def cancel(self, wait: bool = True) -> bool: ...
+    def kill(self) -> None: ...
+    def summary(self) -> str: ...
+    def profile(self) -> ProfileReport: ...
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None: ...
+    def _interrupted(self) -> BaseException: ...
+
+
+def watch(handle: Watched, out: Any) -> None:
+    """Print ``handle``'s lines to ``out`` until the job ends (``JobHandle.watch`` says what else)."""
+    printer = LinePrinter(handle.job.show_ranks)
+    live = LiveDisplay(lambda: render_view(handle)) if out is sys.stdout and in_notebook() else None
+    next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
+    most = LIVE_LINES_PER_TICK if live is not None else None
+    backlog, debugger = handle._live, handle._debugger
+    backlog.patient = live is None  # a terminal takes every line: the drain waits for it
+    debugger.watched = True
+
+    def show(text: str | None = None, most: int | None = LIVE_LINES_PER_TICK) -> None:
+        chunks = backlog.feed(printer, most)
+        if text:
+            chunks.append(printer.note(text))
+        if chunks:
+            out.write("".join(chunks))
+            out.flush()
+
+    try:
+        while not backlog.wait(handle._done, paced=live is not None):
+            show(most=most)
+            while debugger.waiting():
+                show(most=None)
+                if live is not None:
+                    live.update()
+                _answer_prompt(handle, out, show)
+            if live is not None:
+                live.update(LIVE_VIEW_INTERVAL)
+            elif time.monotonic() > next_memory_text:
+                next_memory_text += MEMORY_TEXT_INTERVAL
+                show(memory_text(handle, peak=False))
+    except KeyboardInterrupt:
+        show(f"interrupted: stopping {handle.job.label} (interrupt again to kill it now)")
+        try:
+            handle.cancel(wait=False)
+            while not handle._done.wait(0.1):
+                show()
+        except KeyboardInterrupt:
+            handle.kill()
+            handle._done.wait()
+        raise handle._interrupted() from None
+    finally:
+        backlog.patient = debugger.watched = False
+        show(None if live is not None else memory_text(handle, peak=True), most=None)
+        out.write(printer.close())
+        out.flush()
+        if live is not None:
+            live.update()  # the summary stays in the cell
+        if handle.job.profile and handle.done():
+            _show_profile(handle, out, in_notebook_cell=live is not None)
+
+
+def show_live(handle: Watched, refresh: float) -> None:
+    """One notebook output of ``handle`` updated every ``refresh`` seconds from a thread, and
+    once more when the job ended."""
+    tail = TailView(handle.job.show_ranks)
+    live = LiveDisplay(lambda: render_view(handle, tail))
+    lock = threading.Lock()
+
+    def update(_: Any = None) -> None:
+        with lock:
+            handle._live.feed(tail)
+            live.update()
+
+    def refresh_until_done() -> None:
+        while not handle._done.wait(refresh):
+            update()
+
+    threading.Thread(target=refresh_until_done, name=f"nbshard-view-{handle.run_dir.name}", daemon=True).start()
+    handle.add_done_callback(update)  # the last view, after earlier callbacks (e.g. pulls) ran
+
+
+def render_view(handle: Watched, tail: TailView | None = None) -> tuple[str, str]:
+    """(HTML, text) of the live view: summary, each rank's memory and metrics, their charts
+    once there is a curve to draw, newest lines."""
+    title, views = handle.summary(), handle._telemetry.views()
+    lines = tail.render() if tail is not None else ""
+    text = render_text(title, views) + (f"\n{lines}" if lines else "")
+    return render_html(title, views, lines, _live_charts(handle)), text
+
+
+def memory_text(handle: Watched, peak: bool) -> str | None:
+    """One line of each rank's memory (now, or its peak), or None before any sample."""
+    views = [v for v in handle._telemetry.views() if v.device]
+    if not views:
+        return None
+    label = "peak memory" if peak else "memory"
+    return f"{label}: " + ", ".join(f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views)
+
+
+def _live_charts(handle: Watched) -> str:
+    memory, metrics = handle._telemetry.memory(), handle._telemetry.metrics()
+    if len(memory) < 2 * handle.world_size and not metrics:
+        return ""  # a memory chart of one point per rank says less than the table
+    return charts_html(charts_of(memory, metrics, handle.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
+
+
+def _answer_prompt(handle: Watched, out: Any, show: Any) -> None:
+    """Ask the person about a rank's debugger prompt (pdb's output shown first)."""
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    line = handle._debugger.answer(write, handle.done)
+    if line is not None and line.strip() in QUIT_COMMANDS:
+        show(f"stopping {handle.job.label}: a rank's debugger was quit")
+
+
+def _show_profile(handle: Watched, out: Any, in_notebook_cell: bool) -> None:
+    report = handle.profile()
+    if in_notebook_cell:
+        from IPython.display import display
+
+        display(report)
+    else:
+        out.write(f"{report!r}\n")
+        out.flush()
