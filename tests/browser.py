@@ -179,7 +179,11 @@ class NotebookPage:
         return self.cell(index).locator(selector).all()
 
     def text(self, index: int, mime: str | None = None) -> str:
-        return "\n".join(output.inner_text() for output in self.outputs(index, mime))
+        # One read of every output at once: JupyterLab may replace an output's element while the
+        # cell runs (a stream appended to, an input box answered), and one listed first and read
+        # after would be waited for in vain.
+        selector = ".jp-OutputArea-output" + (f"[data-mime-type='{mime}']" if mime else "")
+        return "\n".join(self.cell(index).locator(selector).all_inner_texts())
 
     def wait_for(self, condition: Any, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
