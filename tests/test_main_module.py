@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from nbshard.kernel.stages import LaunchStage
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -221,5 +223,28 @@ def test_the_first_launch_says_it_is_cold_and_shows_its_stages(script):
     stages = eval(out.split("stages: ", 1)[1].splitlines()[0])
     assert stages[0] == "starting its launcher (a fresh Python process)", stages
     assert "running" in stages and stages.index("running") > 0, stages  # each step in order, then running
+    assert stages[-1] == "running", stages  # and never back
     assert "first: cold start: the first launch in this kernel starts fresh Python processes" in out
     assert "second: cold start: the first launch" not in out  # said once
+
+
+def test_the_stage_only_moves_forward_whichever_socket_is_read_first():
+    # The launcher's "started" and each rank's messages come on sockets of their own: on a busy
+    # machine a rank's metrics can be read before its launcher's event, and the view must not
+    # then say "starting its ranks" beside a chart of the job's loss.
+    stage = LaunchStage(world_size=2, warm=True)
+    assert stage.text == "starting its launcher"
+    stage.follow({"kind": "sample", "rank": 0})
+    assert stage.text == "loading the job in its ranks (its imports)"
+    stage.follow({"kind": "stage", "stage": "running", "rank": 1})
+    assert stage.text == "running in 1 of its ranks, loading in the others"
+    stage.follow({"kind": "metrics", "rank": 0, "values": {"loss": 1.0}})
+    assert stage.text == "running"
+    for late in ({"kind": "event", "event": "started"}, {"kind": "sample", "rank": 1}, {"kind": "lines", "rank": 0}):
+        stage.follow(late)
+        assert stage.text == "running", late
+    cold = LaunchStage(world_size=1, warm=False)
+    cold.follow({"kind": "event", "event": "started"})
+    assert cold.text == "starting its ranks"
+    cold.follow({"kind": "lines", "rank": 0})  # a launcher that sends no stages
+    assert cold.text == "running"

@@ -27,6 +27,7 @@ from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_second
 from nbshard.kernel.outcome import collect, read_outcome
 from nbshard.kernel.plots import Plot, charts_of
 from nbshard.kernel.profiles import ProfileReport
+from nbshard.kernel.stages import LaunchStage
 from nbshard.kernel.telemetry import Telemetry, read_metrics_files, to_frame
 from nbshard.wire import Receiver
 
@@ -69,9 +70,7 @@ class JobHandle:
         """Ranks on all nodes (``job.nproc`` is ranks on each node)."""
         self.run_dir = run_dir.path
         self.status = "running"
-        self.stage = "starting its launcher" + ("" if isinstance(launcher, WarmLauncher) else " (a fresh Python process)")
-        """While it runs, what it is doing: starting, loading the job (its imports), running."""
-        self._running_ranks: set[int] = set()
+        self._stage = LaunchStage(world_size, warm=isinstance(launcher, WarmLauncher))
         self.started = time.time()
         self.ended: float | None = None
         self._paths = run_dir
@@ -108,6 +107,11 @@ class JobHandle:
             _running.add(self)
         if drain:
             threading.Thread(target=self._drain, name=f"nbshard-{run_dir.path.name}", daemon=True).start()
+
+    @property
+    def stage(self) -> str:
+        """While it runs, what it is doing: starting, loading the job (its imports), running."""
+        return self._stage.text
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.summary()}; run_dir={self.run_dir}>"
@@ -313,23 +317,10 @@ class JobHandle:
         elif kind == "debug":
             self._debugger.arrived(message)
             self._live.wake()
-        self._follow_stage(kind, message)
+        self._stage.follow(message)
         if kind == "end":
             self._storage_error = message.get("storage_error")
         return kind == "end"
-
-    def _follow_stage(self, kind: Any, message: dict[str, Any]) -> None:
-        """What the job is doing, from the messages that mark each step of a launch."""
-        if kind == "event" and message.get("event") == "started":
-            self.stage = "starting its ranks"
-        elif kind == "sample" and not self._running_ranks and self.stage == "starting its ranks":
-            self.stage = "loading the job in its ranks (its imports)"
-        elif kind == "stage" and message.get("stage") == "running":
-            self._running_ranks.add(message["rank"])
-            self.stage = "running" if len(self._running_ranks) == self.world_size else (
-                f"running in {len(self._running_ranks)} of its ranks, loading in the others")
-        elif kind == "lines" and self.stage != "running" and not self._running_ranks:
-            self.stage = "running"  # a launcher that sends no stages (another nbshard on a node)
 
     def _note_dropped(self, rank: int, count: int) -> None:
         self._reported_drops[rank] += count

@@ -97,7 +97,7 @@ class CallHandle(JobHandle):
         self._metrics_from = session._metrics_offsets()  # the session's files hold every call's records
         super().__init__(job, session.world_size, call_dir, channel, channel, samples, drain=False)  # type: ignore[arg-type]
         self.warm = session.warm
-        self.stage = "running"  # in ranks that are up already
+        self._stage.all_running()  # in ranks that are up already
 
     _results_removed_later = True
 
