@@ -31,7 +31,7 @@ class LaunchStage:
             self._advance(1, STARTING_RANKS)
         elif kind == "sample":
             self._advance(2, LOADING)
-        elif kind == "stage" and message.get("stage") == RUNNING or kind == "metrics":  # metrics: its job runs
+        elif (kind == "stage" and message.get("stage") == RUNNING) or kind == "metrics":  # metrics: its job runs
             self.rank_running(message["rank"])
         elif kind == "lines" and not self._running:
             self._advance(3, RUNNING)  # a launcher that sends no stages (another nbshard on a node)

@@ -152,7 +152,7 @@ def _live_charts(handle: Watched) -> str:
     return charts_html(charts_of(memory, metrics, handle.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
 
 
-def _answer_prompt(handle: Watched, out: Any, show: Any) -> None:
+def _answer_prompt(handle: Watched, out: Any, show: Callable[[str], None]) -> None:
     """Ask the person about a rank's debugger prompt (pdb's output shown first)."""
     def write(text: str) -> None:
         out.write(text)
