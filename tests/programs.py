@@ -225,8 +225,10 @@ def start_escaping_child(pid_file, then="return"):
     import subprocess
 
     child = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    with open(f"{pid_file}.{os.environ['RANK']}", "w") as file:
+    written = f"{pid_file}-writing{os.environ['RANK']}"  # the test looks for the file: it appears whole
+    with open(written, "w") as file:
         file.write(str(child.pid))
+    os.replace(written, f"{pid_file}.{os.environ['RANK']}")
     print("child started", flush=True)
     if then == "raise":
         raise RuntimeError("failing with a child in another session")
