@@ -174,16 +174,18 @@ class NotebookPage:
         text = self.cell(index).locator(".jp-InputPrompt").inner_text().strip()
         return text.removeprefix("[").removesuffix("]:").strip()
 
-    def outputs(self, index: int, mime: str | None = None) -> list[Any]:
+    def _outputs(self, index: int, mime: str | None = None) -> Any:
         selector = ".jp-OutputArea-output" + (f"[data-mime-type='{mime}']" if mime else "")
-        return self.cell(index).locator(selector).all()
+        return self.cell(index).locator(selector)
+
+    def outputs(self, index: int, mime: str | None = None) -> list[Any]:
+        return self._outputs(index, mime).all()
 
     def text(self, index: int, mime: str | None = None) -> str:
         # One read of every output at once: JupyterLab may replace an output's element while the
         # cell runs (a stream appended to, an input box answered), and one listed first and read
         # after would be waited for in vain.
-        selector = ".jp-OutputArea-output" + (f"[data-mime-type='{mime}']" if mime else "")
-        return "\n".join(self.cell(index).locator(selector).all_inner_texts())
+        return "\n".join(self._outputs(index, mime).all_inner_texts())
 
     def wait_for(self, condition: Any, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
