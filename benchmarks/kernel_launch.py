@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import textwrap
+import time
 
 from jupyter_client.manager import KernelManager
 
@@ -68,6 +69,11 @@ WAIT_FOR_WARM = textwrap.dedent(
 )
 
 
+# Between timed cells, as between a person's cells: what either launcher does after a launch
+# (nbshard forks its next spare launcher) settles instead of landing in the other's time.
+PAUSE = 0.3
+
+
 def execute(client, code: str, timeout: float = 300) -> list:
     """Run one cell; the values it printed after ``TIMED``. Raises on the cell's error."""
     printed: list[str] = []
@@ -101,6 +107,7 @@ def measure(with_lightning: bool, rounds: int) -> dict[str, list[float]]:
         times: dict[str, list[float]] = {name: [] for name in CELLS}
         for _ in range(rounds):
             for name, code in CELLS.items():
+                time.sleep(PAUSE)
                 seconds, warm = execute(client, code)
                 if not warm:
                     raise RuntimeError("nbshard's launch was cold: the warm process was not ready")
@@ -121,7 +128,8 @@ def main(rounds: int = 5) -> None:
         what = "import torch + import lightning (preload both)" if with_lightning else "import torch"
         print(f"{rounds} rounds, alternating, in a real IPython kernel; 2 CPU ranks; the kernel did {what}")
         for name, values in times.items():
-            print(f"  {name:18s} median {medians[name]:.3f} s (min {min(values):.3f}, max {max(values):.3f})")
+            print(f"  {name:18s} median {medians[name]:.3f} s (min {min(values):.3f}, max {max(values):.3f}; "
+                  f"rounds {', '.join(f'{value:.3f}' for value in values)})")
         print(f"  nbshard / notebook_launcher: {medians['nbshard.run warm'] / medians['notebook_launcher']:.2f}")
 
 

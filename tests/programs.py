@@ -315,3 +315,42 @@ def process_state():
         "umask": os.umask(os.umask(0o22)),
         "atexit handlers": __import__("atexit")._ncallbacks(),
     }
+
+
+def launcher_state(hold: float = 0.0):
+    """What the rank's launcher (its parent) holds, as /proc shows it, with the run's names
+    replaced: a spare launcher must hold exactly what one forked at the request does (its
+    environment is what its ranks get, compared elsewhere: /proc shows the block it was
+    started with). Rank 0 then waits ``hold`` seconds (rank 1 waits for it)."""
+    import torch.distributed as dist
+
+    launcher = os.getppid()
+    run_dir = os.environ["TORCHELASTIC_ERROR_FILE"].rsplit("/", 1)[0]
+
+    def plain(text):
+        return str(text).replace(run_dir, "RUN_DIR")
+
+    def fd_kind(fd):
+        try:
+            target = os.readlink(f"/proc/{launcher}/fd/{fd}")
+        except FileNotFoundError:
+            return None
+        return target.split("[")[0] if target.startswith(("pipe:", "socket:", "anon_inode:")) else plain(target)
+
+    time.sleep(0.3)  # ZeroMQ's I/O thread opens its connection in its own time
+    status = dict(line.split(":\t", 1) for line in open(f"/proc/{launcher}/status").read().splitlines() if ":\t" in line)
+    stat = open(f"/proc/{launcher}/stat").read().rsplit(")", 1)[1].split()
+    state = {
+        "fds": {int(fd): fd_kind(fd) for fd in os.listdir(f"/proc/{launcher}/fd")},
+        "cmdline": plain(open(f"/proc/{launcher}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()),
+        "signal masks": {k: status[k].strip() for k in ("SigBlk", "SigIgn", "SigCgt")},
+        "threads": int(status["Threads"]),
+        "session leader": int(stat[3]) == launcher,  # the sid field
+        "cwd": os.readlink(f"/proc/{launcher}/cwd"),
+    }
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        time.sleep(hold)
+    dist.barrier()
+    dist.destroy_process_group()
+    return state

@@ -229,12 +229,14 @@ def test_a_killed_kernel_takes_the_warm_process_and_its_jobs_along_within_5_seco
     kernel.wait_for("ready")
     run_dir = max(runs_dir.iterdir())
     assert len(processes_of(run_dir)) == 3
+    spare = waiting_spare(int(warm_pid))  # forked while the job runs, for the next one
     kernel.process.kill()
     killed_at = time.monotonic()
     assert not wait_until_gone(run_dir, within=5.0)
-    while Path(f"/proc/{warm_pid}").exists() and "Z" not in Path(f"/proc/{warm_pid}/stat").read_text().rsplit(")", 1)[1][:3]:
-        assert time.monotonic() - killed_at < 5.0, "the warm process outlived its kernel"
-        time.sleep(0.05)
+    for pid, what in ((int(warm_pid), "the warm process"), (spare, "its spare launcher")):
+        while warm_launcher.process_state(pid) not in (None, "Z"):
+            assert time.monotonic() - killed_at < 5.0, f"{what} outlived its kernel"
+            time.sleep(0.05)
 
 
 def test_a_warm_ranks_memory_is_its_proportional_share_and_says_so(tmp_path, monkeypatch, warm_on, capsys):
@@ -261,3 +263,47 @@ def test_a_warm_ranks_memory_is_its_proportional_share_and_says_so(tmp_path, mon
     assert cold.result(timeout=60) == 1 << 20 and not cold.warm
     assert cold.peak_memory()[0]["cpu_peak_pss"] is None  # a cold rank shares nothing: resident is its own
     assert "rank 0 CPU " in capsys.readouterr().out
+
+
+def waiting_spare(warm_pid: int, within: float = 30.0) -> int:
+    """The pid of the launcher the warm process keeps forked ahead (its child that still shows
+    the warm process's own command line), once there is one."""
+    deadline = time.monotonic() + within
+    own = Path(f"/proc/{warm_pid}/cmdline").read_bytes()
+    while True:
+        for child in Path(f"/proc/{warm_pid}/task/{warm_pid}/children").read_text().split():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{child}/cmdline").read_bytes() == own:
+                    return int(child)
+        assert time.monotonic() < deadline, "the warm process keeps no spare launcher"
+        time.sleep(0.05)
+
+
+def test_a_spare_launcher_is_what_a_launcher_forked_at_the_request_is_and_outlives_the_warm_process(tmp_path, warm_on):
+    """The warm process keeps a launcher forked ahead, which takes the next job. Once it has a
+    job it runs on when the warm process is killed, as any launcher does; it holds what a
+    launcher forked when the job arrives holds. A spare killed while it waits ends spares in
+    that warm process: launches fork as they come."""
+    spare = waiting_spare(warm_on["pid"])
+    handle = nbshard.submit(programs.launcher_state, 1.5, nproc=2, cwd=str(tmp_path))
+    deadline = time.monotonic() + 60
+    while handle.stage != "running":
+        assert time.monotonic() < deadline, f"the job did not start: {handle.stage}"
+        time.sleep(0.05)
+    os.kill(warm_on["pid"], signal.SIGKILL)
+    from_spare = handle.result(timeout=60)
+    assert handle.warm and handle._launcher.pid == spare  # the spare took the job, and outlived the warm process
+    assert from_spare["cmdline"].endswith("-m nbshard.launcher RUN_DIR") and from_spare["session leader"]
+
+    nbshard.run(programs.rank_and_value, 1, nproc=1)  # cold: the warm process is found lost, and replaced
+    warm_pid = warm_ready()["pid"]
+    spare = waiting_spare(warm_pid)
+    os.kill(spare, signal.SIGKILL)
+    handle = nbshard.submit(programs.launcher_state, nproc=2, cwd=str(tmp_path))
+    forked_at_request = handle.result(timeout=120)
+    assert handle.warm and handle._launcher.pid != spare
+    for key, value in from_spare.items():
+        assert forked_at_request[key] == value, f"{key} differs: spare {value} vs forked at the request {forked_at_request[key]}"
+    time.sleep(1.5)  # past the time after which a warm process with spares forks the next one
+    children = Path(f"/proc/{warm_pid}/task/{warm_pid}/children").read_text().split()
+    assert children == [], f"the warm process forked spares again after one died: {children}"

@@ -7,6 +7,7 @@ the run directory holds the truth: the job, results, errors and logs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import errno
 import os
@@ -26,7 +27,7 @@ from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.leftovers import process_identity
 from nbshard.pickling import dump_job, write_sources
-from nbshard.kernel.runs import new_run_dir
+from nbshard.kernel.runs import new_run_dir, prune_runs
 from nbshard.wire import Receiver, new_key
 
 __all__ = [
@@ -130,7 +131,7 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
     _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
-    run_dir = new_run_dir(settings.runs_dir, job.label, keep=settings.keep_runs, keep_bytes=settings.keep_runs_bytes)
+    run_dir = new_run_dir(settings.runs_dir, job.label)
     receiver = None
     try:
         key = new_key()
@@ -160,6 +161,8 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
                 "there, or set NBSHARD_RUNS_DIR (or nbshard.settings.runs_dir) to another filesystem."
             )) from error
         raise
+    with contextlib.suppress(OSError):  # a launch that started is never failed by pruning
+        prune_runs(settings.runs_dir, keep=settings.keep_runs, keep_bytes=settings.keep_runs_bytes, spare=run_dir.path)
     return nproc * job.nnodes, run_dir, launcher, receiver
 
 

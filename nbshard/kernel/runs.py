@@ -20,15 +20,13 @@ from nbshard.files import make_private_dirs, read_json
 from nbshard.job import RunDir
 from nbshard.leftovers import process_identity, sweep_temp
 
-__all__ = ["new_run_dir"]
+__all__ = ["new_run_dir", "prune_runs"]
 
 
-def new_run_dir(root: Path, label: str, *, keep: int, keep_bytes: int) -> RunDir:
+def new_run_dir(root: Path, label: str) -> RunDir:
     """A new run directory in ``root`` (made private, and refused where another local user could
-    swap its contents), after pruning finished runs to ``keep`` and ``keep_bytes``."""
+    swap its contents)."""
     make_private_dirs(root)  # refuses a directory another local user could swap things in
-    _prune_runs(root, keep, keep_bytes)
-    _sweep_once()
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in label)[:40]
     path = root / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{secrets.token_hex(3)}"
     longest = path / f".torchelastic-error-{10**6}.json.{10**7}.tmp"  # the longest name a run writes
@@ -101,10 +99,14 @@ def _launcher_alive(path: Path) -> bool:
     return True
 
 
-def _prune_runs(root: Path, keep: int, keep_bytes: int) -> None:
+def prune_runs(root: Path, *, keep: int, keep_bytes: int, spare: Path) -> None:
     """Delete the results a dead kernel can no longer read, then finished runs beyond the newest
-    ``keep`` or ``keep_bytes``: those of dead kernels first, then the oldest."""
-    runs = [run for path in root.iterdir() if (run := _finished_run(path)) is not None]
+    ``keep`` or ``keep_bytes``: those of dead kernels first, then the oldest. ``spare``: the run
+    just launched (the kernel prunes while its launcher starts, off the launch's path), which may
+    already have finished and is never counted or touched. What dead kernels and lost nodes left
+    in the temp directory is swept at the first launch."""
+    _sweep_once()
+    runs = [run for path in root.iterdir() if path != spare and (run := _finished_run(path)) is not None]
     for index, run in enumerate(runs):
         if run.kernel_gone and run.unread:  # counted without them from here on
             runs[index] = dataclasses.replace(run, size=run.size - _drop_results(run.path), unread=False)

@@ -18,7 +18,7 @@ from typing import IO
 
 from nbshard.process.fresh import become_fresh
 
-__all__ = ["ForkedProcess", "fork_fresh", "fork_rank"]
+__all__ = ["ForkedProcess", "fork_child", "fork_fresh", "fork_rank"]
 
 
 def _flush_and_exit(code: int) -> None:
@@ -28,12 +28,9 @@ def _flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
-def fork_fresh(
-    main: Callable[[], int], *, module: str, run_dir: str, env: Mapping[str, str], cwd: str,
-    stdio: Sequence[int], keep: Mapping[int, int] | None = None, new_session: bool = False,
-) -> int:
-    """Fork a child that becomes ``python -m module run_dir`` (see nbshard.process.fresh) and runs
-    ``main()``; returns its pid. The child never returns from here."""
+def fork_child(body: Callable[[], int], *, new_session: bool = False) -> int:
+    """Fork a child that runs ``body()`` and exits with its code; returns its pid. The child
+    never returns from here, into the parent's code, whatever happens in it."""
     pid = os.fork()
     if pid:
         return pid
@@ -41,16 +38,30 @@ def fork_fresh(
     try:
         if new_session:
             os.setsid()
-        become_fresh(module=module, run_dir=run_dir, env=env, cwd=cwd, stdio=stdio, keep=keep)
-        code = main()
+        code = body()
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:  # noqa: BLE001 - say why on the child's own stderr, never return into the parent's code
+    except BaseException:  # noqa: BLE001 - say why on the child's own stderr
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
         _flush_and_exit(code)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def fork_fresh(
+    main: Callable[[], int], *, module: str, run_dir: str, env: Mapping[str, str], cwd: str,
+    stdio: Sequence[int], keep: Mapping[int, int] | None = None, new_session: bool = False,
+    imports_invalidated: bool = False,
+) -> int:
+    """Fork a child that becomes ``python -m module run_dir`` (see nbshard.process.fresh) and runs
+    ``main()``; returns its pid."""
+
+    def body() -> int:
+        become_fresh(module=module, run_dir=run_dir, env=env, cwd=cwd, stdio=stdio, keep=keep, imports_invalidated=imports_invalidated)
+        return main()
+
+    return fork_child(body, new_session=new_session)
 
 
 class ForkedProcess:
@@ -87,16 +98,18 @@ class ForkedProcess:
 
 
 def fork_rank(
-    main: Callable[[], int], *, run_dir: str, env: Mapping[str, str], cwd: str, keep: Sequence[int] = ()
+    main: Callable[[], int], *, run_dir: str, env: Mapping[str, str], cwd: str, keep: Sequence[int] = (),
+    imports_invalidated: bool = False,
 ) -> ForkedProcess:
     """A rank forked from a single-threaded launcher: stdin from /dev/null, stdout and stderr
-    to pipes the launcher reads, exactly as its cold ranks are started; ``keep``: fds it keeps."""
+    to pipes the launcher reads, exactly as its cold ranks are started; ``keep``: fds it keeps;
+    ``imports_invalidated``: see become_fresh."""
     out_read, out_write = os.pipe()
     err_read, err_write = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
     try:
         pid = fork_fresh(main, module="nbshard.worker", run_dir=run_dir, env=env, cwd=cwd, stdio=(null, out_write, err_write),
-                          keep={fd: fd for fd in keep})
+                          keep={fd: fd for fd in keep}, imports_invalidated=imports_invalidated)
     except BaseException:
         for fd in (out_read, err_read):
             os.close(fd)

@@ -3,7 +3,8 @@
 It imports torch (and what ``nbshard.settings.preload`` names) once, checks that
 forking it is safe (one thread, no CUDA, a probe child not in a "bad fork"),
 then forks a fresh launcher for each job the kernel asks for; that launcher
-forks its ranks. It never runs user code itself.
+forks its ranks. It never runs user code itself. While idle it keeps one
+launcher forked ahead (nbshard.process.spare), which takes the next job.
 
 The kernel starts it in a session of its own and writes one JSON line to its
 stdin: a token, the modules to preload, the kernel's pid. Requests arrive on a
@@ -34,6 +35,7 @@ from typing import Any
 from nbshard.files import write_json
 from nbshard.process.forking import fork_fresh
 from nbshard.process.module_watch import ModuleWatch, module_files
+from nbshard.process.spare import Spare, fork_spare
 
 __all__ = ["MAX_REQUEST_BYTES", "main"]
 
@@ -41,6 +43,10 @@ MAX_REQUEST_BYTES = 1 << 20
 SOCKET_NAME = "socket"
 STATUS_NAME = "status.json"
 KERNEL_PIDFD_IN_LAUNCHER = 3
+# The next spare is forked once a launcher ends, or this long after a launch (a long job): not
+# while a launch is starting its ranks, which has the CPUs first.
+SPARE_DELAY = 1.0
+SPARE = "spare"  # the selector's mark for the waiting spare's pidfd
 _ALWAYS = (
     "nbshard.process.entry", "nbshard.process.worker", "nbshard.pickling", "nbshard.rank.monitor", "nbshard.kernel.cell",
 )
@@ -111,10 +117,16 @@ class WarmServer:
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "kernel")
         self.selector.register(kernel_pidfd, selectors.EVENT_READ, "kernel")
         self.launchers: dict[int, tuple[socket.socket, int]] = {}  # pid -> (its requester, its pidfd)
+        self.spare: Spare | None = None
+        self.spare_due: float | None = time.monotonic()  # when to fork the next spare; None: not now
+        self.spares = True  # off once one died while it waited
 
     def serve(self) -> None:
         while self.listener is not None or self.launchers:
-            for key, _ in self.selector.select():
+            if self.spare_due is not None and time.monotonic() >= self.spare_due:
+                self.fork_spare()
+            wait = None if self.spare_due is None else max(0.0, self.spare_due - time.monotonic())
+            for key, _ in self.selector.select(wait):
                 if key.data == "listen" and self.listener is not None:
                     connection, _ = self.listener.accept()
                     self.selector.register(connection, selectors.EVENT_READ, "request")
@@ -122,6 +134,10 @@ class WarmServer:
                     self.answer(key.fileobj)  # type: ignore[arg-type]
                 elif key.data == "kernel":
                     self.stop_listening()
+                elif key.data == SPARE and self.spare is not None:
+                    self.selector.unregister(self.spare.pidfd)
+                    self.spare_died(self.spare)
+                    self.spare = None
                 elif isinstance(key.data, int):
                     self.report_exit(key.data)
 
@@ -130,6 +146,11 @@ class WarmServer:
         for fd in (sys.stdin.fileno(), self.kernel_pidfd):
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(fd)
+        self.spares = False
+        if self.spare is not None:
+            self.selector.unregister(self.spare.pidfd)
+            self.spare.discard()
+            self.spare = None
         if self.listener is not None:
             self.selector.unregister(self.listener)
             self.listener.close()
@@ -162,20 +183,40 @@ class WarmServer:
         changed = self.modules.changed()
         if changed is not None:
             return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
-        run_dir, env, cwd = str(request["run_dir"]), dict(request["env"]), str(request["cwd"])
-        from nbshard.process import entry
-
-        child = fork_fresh(
-            lambda: entry.main(run_dir, kernel_pidfd=KERNEL_PIDFD_IN_LAUNCHER, fork_ranks=True),
-            module="nbshard.launcher", run_dir=run_dir, env=env, cwd=cwd, stdio=fds,
-            keep={KERNEL_PIDFD_IN_LAUNCHER: self.kernel_pidfd}, new_session=True,
-        )
-        pidfd = os.pidfd_open(child)
+        job = {"run_dir": str(request["run_dir"]), "env": dict(request["env"]), "cwd": str(request["cwd"])}
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            self.selector.unregister(spare.pidfd)
+        if spare is not None and spare.hand_over(job, fds):
+            child, pidfd = spare.pid, spare.pidfd
+        else:
+            if spare is not None:  # it ended, or was stopped, while it waited
+                self.spare_died(spare)
+            child = fork_fresh(
+                lambda: _run_launcher(job["run_dir"]), module="nbshard.launcher", **job, stdio=fds,
+                keep={KERNEL_PIDFD_IN_LAUNCHER: self.kernel_pidfd}, new_session=True,
+            )
+            pidfd = os.pidfd_open(child)
         self.launchers[child] = (connection, pidfd)
         self.selector.register(pidfd, selectors.EVENT_READ, child)
+        self.spare_due = time.monotonic() + SPARE_DELAY
         return {"pid": child}
 
+    def fork_spare(self) -> None:
+        self.spare_due = None
+        if self.spares and self.spare is None:
+            self.spare = fork_spare("nbshard.launcher", {KERNEL_PIDFD_IN_LAUNCHER: self.kernel_pidfd}, _run_launcher)
+            self.selector.register(self.spare.pidfd, selectors.EVENT_READ, SPARE)
+
+    def spare_died(self, spare: Spare) -> None:
+        """A spare ended while it waited (killed, or it failed to prepare): no more spares, so
+        one that cannot prepare is not forked again and again; launches fork as they come."""
+        spare.reap()
+        self.spares = False
+
     def report_exit(self, pid: int) -> None:
+        if self.spare is None:
+            self.spare_due = time.monotonic()
         connection, pidfd = self.launchers.pop(pid)
         self.selector.unregister(pidfd)
         os.close(pidfd)
@@ -183,6 +224,12 @@ class WarmServer:
         with contextlib.suppress(OSError):
             connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
         connection.close()
+
+
+def _run_launcher(run_dir: str) -> int:
+    from nbshard.process import entry
+
+    return entry.main(run_dir, kernel_pidfd=KERNEL_PIDFD_IN_LAUNCHER, fork_ranks=True)
 
 
 def _kernel_pidfd(kernel_pid: int) -> int | None:

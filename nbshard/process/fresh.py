@@ -4,7 +4,9 @@ A cold launcher or rank is ``python -m nbshard.<module> RUN_DIR`` started by
 ``subprocess``. A warm one is a fork of the warm process, which has imported
 torch and holds its own sockets, signal handlers, environment, seeds and
 ``__main__``. ``become_fresh`` resets everything user code can see to what the
-cold process would have; tests/test_warm.py compares the two field by field.
+cold process would have; tests/test_warm.py compares the two field by field. It
+comes in two parts: ``prepare_fresh`` needs no job (a spare launcher does it
+while it waits for one), ``finish_fresh`` applies the job's environment.
 
 What cannot be reset, and so makes the kernel launch cold instead (see
 ``import_time_environment``): the interpreter's start-up flags and hash seed,
@@ -15,6 +17,7 @@ was imported (OpenBLAS's thread count among them; OpenMP's plain count is applie
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import importlib.util
 import io
@@ -27,7 +30,7 @@ from typing import Any
 
 from nbshard.procfs import stat_fields
 
-__all__ = ["MAIN_NAMES", "become_fresh", "cold_command"]
+__all__ = ["MAIN_NAMES", "become_fresh", "cold_command", "finish_fresh", "install_stdio", "prepare_fresh"]
 
 # What ``python -m`` puts in ``__main__`` before the module's own code runs; a rank's
 # ``__main__`` holds these and the notebook's names, warm or cold.
@@ -66,7 +69,7 @@ def _show_command(argv: Sequence[str]) -> None:
         memory.write(text.ljust(end - start, b"\0"))
 
 
-def _install_stdio(stdio: Sequence[int]) -> None:
+def install_stdio(stdio: Sequence[int]) -> None:
     """fds 0, 1, 2 from ``stdio``, and sys.std* rebuilt as CPython builds them at start-up
     (same encoding, error handler and buffering as the warm process, which shares the
     environment and flags they derive from)."""
@@ -95,9 +98,11 @@ def _install_stdio(stdio: Sequence[int]) -> None:
 def _close_inherited_fds(keep: Mapping[int, int]) -> None:
     """Nothing of the warm process, the kernel or other ranks stays open: only fds 0-2 and
     ``keep`` (target fd -> source fd, moved into place first) survive."""
-    for target, source in keep.items():
-        if source != target:
-            os.dup2(source, target)
+    # Each moved fd is copied above every target first, so no move overwrites another's source.
+    floor = max(keep, default=2) + 1
+    staged = {target: fcntl.fcntl(source, fcntl.F_DUPFD, floor) for target, source in keep.items() if source != target}
+    for target, copy in staged.items():
+        os.dup2(copy, target)
     for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
         if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):
@@ -161,14 +166,22 @@ def _apply_thread_pool(env: Mapping[str, str]) -> None:
         torch.set_num_threads(count)
 
 
-def become_fresh(
-    *, module: str, run_dir: str, env: Mapping[str, str], cwd: str, stdio: Sequence[int], keep: Mapping[int, int] | None = None
-) -> None:
-    """Turn this just-forked child into what ``python -m module run_dir`` started with ``env``
-    in ``cwd`` would be. ``keep`` maps fds to keep (target -> source) beyond stdio."""
-    _install_stdio(stdio)
-    _close_inherited_fds(dict(keep or {}))
+def prepare_fresh(keep: Mapping[int, int], *, invalidate_imports: bool = True) -> None:
+    """The part of becoming fresh that needs no job: nothing inherited open but fds 0-2 and
+    ``keep`` (target -> source), default signals, seeds of its own, and (unless the parent
+    just did so before forking) import caches that list directories anew, as a new
+    interpreter's do. A spare launcher does this while it waits for a job; it imports nothing
+    meanwhile, so its caches see the disk as of the job's arrival."""
+    _close_inherited_fds(dict(keep))
     _reset_signals()
+    _reseed()
+    if invalidate_imports:
+        importlib.invalidate_caches()
+
+
+def finish_fresh(*, module: str, run_dir: str, env: Mapping[str, str], cwd: str) -> None:
+    """The part that depends on the job: ``env``, ``cwd``, the command line and ``__main__`` of
+    ``python -m module run_dir``, and the thread pool ``env`` asks for."""
     _set_environ(env)
     os.chdir(cwd)
     cwd = os.getcwd()
@@ -181,6 +194,17 @@ def become_fresh(
         _show_command(command)
     _fresh_main(module, spec, argv0)
     sys.path[0] = cwd  # python -m puts the working directory first
-    importlib.invalidate_caches()
-    _reseed()
     _apply_thread_pool(env)
+
+
+def become_fresh(
+    *, module: str, run_dir: str, env: Mapping[str, str], cwd: str, stdio: Sequence[int], keep: Mapping[int, int] | None = None,
+    imports_invalidated: bool = False,
+) -> None:
+    """Turn this just-forked child into what ``python -m module run_dir`` started with ``env``
+    in ``cwd`` would be. ``keep`` maps fds to keep (target -> source) beyond stdio;
+    ``imports_invalidated``: the parent invalidated its import caches just before the fork
+    (cheap there: its pages are its own; here each finder's page would be copied)."""
+    install_stdio(stdio)
+    prepare_fresh(keep or {}, invalidate_imports=not imports_invalidated)
+    finish_fresh(module=module, run_dir=run_dir, env=env, cwd=cwd)

@@ -11,6 +11,7 @@ job's launcher or a session's.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import select
 import selectors
@@ -151,6 +152,12 @@ class RankGroup:
 
     def start_ranks(self, port: int, restart_count: int) -> None:
         spec = self.spec
+        if self.fork_ranks:
+            # Import caches are invalidated here, once, where the finders' pages are this process's
+            # own: in each forked rank, touching them would copy a page per finder, milliseconds
+            # before its job starts. Nothing is imported until the last rank is forked, so every
+            # rank lists directories anew, as a new interpreter would.
+            importlib.invalidate_caches()
         for local_rank in range(spec.nproc_per_node):
             rank = spec.first_rank() + local_rank
             for stale in (self.run_dir.result(rank), self.run_dir.error(rank)):
@@ -188,7 +195,9 @@ class RankGroup:
             from nbshard.process import worker
 
             self.close_sender()  # this process must hold one thread when it forks
-            return fork_rank(lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec.cwd, keep=pass_fds)
+            return fork_rank(
+                lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec.cwd, keep=pass_fds, imports_invalidated=True,
+            )
         return subprocess.Popen(
             cold_command("nbshard.worker", run_dir), env=env, cwd=self.spec.cwd, pass_fds=pass_fds,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
