@@ -285,12 +285,17 @@ def test_a_spare_launcher_is_what_a_launcher_forked_at_the_request_is_and_outliv
     launcher forked when the job arrives holds. A spare killed while it waits ends spares in
     that warm process: launches fork as they come."""
     spare = waiting_spare(warm_on["pid"])
-    handle = nbshard.submit(programs.launcher_state, 1.5, nproc=2, cwd=str(tmp_path))
+    handle = nbshard.submit(programs.launcher_state, 3.0, nproc=2, cwd=str(tmp_path))
     deadline = time.monotonic() + 60
     while handle.stage != "running":
         assert time.monotonic() < deadline, f"the job did not start: {handle.stage}"
         time.sleep(0.05)
+    next_spare = waiting_spare(warm_on["pid"])  # forked a second after the launch, while the job runs
     os.kill(warm_on["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    while warm_launcher.process_state(next_spare) not in (None, "Z"):  # a waiting spare ends with the warm process
+        assert time.monotonic() - killed_at < 5.0, "a waiting spare outlived the warm process"
+        time.sleep(0.05)
     from_spare = handle.result(timeout=60)
     assert handle.warm and handle._launcher.pid == spare  # the spare took the job, and outlived the warm process
     assert from_spare["cmdline"].endswith("-m nbshard.launcher RUN_DIR") and from_spare["session leader"]

@@ -10,14 +10,14 @@ cwd) with the launcher's three descriptors; the spare finishes becoming fresh an
 runs the launcher, as a launcher forked at the request would. It imports nothing
 while it waits, so its caches see the disk as of the job's arrival.
 
-A waiting spare dies with the warm process (a parent-death signal, and the socket's
-end); once it has a job, it runs on as any launcher does.
+A waiting spare ends when the warm process closes its end of the socket pair, or dies
+(only the warm process holds that end: every other child closes what it inherited);
+once it has a job, it runs on as any launcher does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -30,17 +30,10 @@ from nbshard.process.fresh import finish_fresh, install_stdio, prepare_fresh
 
 __all__ = ["Spare", "fork_spare"]
 
-_PR_SET_PDEATHSIG = 1
 SPARE_END_FD = 4  # the spare's end of its socket pair, beside the kernel's pidfd at 3
 MAX_JOB_BYTES = 1 << 20
 TAKEN = b"taken"  # the spare's answer once it holds the job
 TAKE_WAIT = 2.0  # seconds a spare may take to answer (one just forked is still preparing)
-
-
-def _die_with_parent(parent: int, signum: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
-    if signum and os.getppid() != parent:  # the warm process died before prctl took effect
-        os._exit(0)
 
 
 class Spare:
@@ -86,17 +79,14 @@ def fork_spare(module: str, keep: dict[int, int], run: Callable[[str], int]) -> 
     """Fork a spare that becomes ``python -m module RUN_DIR`` with the job it is handed and
     then runs ``run(RUN_DIR)``. ``keep``: fds it keeps open (target -> source)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    parent = os.getpid()
 
     def wait_for_job() -> int:
         ours.close()
-        _die_with_parent(parent, signal.SIGKILL)
         prepare_fresh({**keep, SPARE_END_FD: theirs.detach()})
         connection = socket.socket(fileno=SPARE_END_FD)
         data, fds, _, _ = socket.recv_fds(connection, MAX_JOB_BYTES, 3)
-        if not data:  # the warm process closed its end: no job will come
+        if not data:  # the warm process closed its end, or died: no job will come
             return 0
-        _die_with_parent(parent, 0)  # from here a launcher, which outlives the warm process
         connection.send(TAKEN)
         connection.close()
         job = json.loads(data)
