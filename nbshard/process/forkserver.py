@@ -134,10 +134,8 @@ class WarmServer:
                     self.answer(key.fileobj)  # type: ignore[arg-type]
                 elif key.data == "kernel":
                     self.stop_listening()
-                elif key.data == SPARE and self.spare is not None:
-                    self.selector.unregister(self.spare.pidfd)
-                    self.spare_died(self.spare)
-                    self.spare = None
+                elif key.data == SPARE and (spare := self.take_spare()) is not None:
+                    self.spare_died(spare)
                 elif isinstance(key.data, int):
                     self.report_exit(key.data)
 
@@ -147,10 +145,8 @@ class WarmServer:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(fd)
         self.spares = False
-        if self.spare is not None:
-            self.selector.unregister(self.spare.pidfd)
-            self.spare.discard()
-            self.spare = None
+        if (spare := self.take_spare()) is not None:
+            spare.discard()
         if self.listener is not None:
             self.selector.unregister(self.listener)
             self.listener.close()
@@ -184,9 +180,7 @@ class WarmServer:
         if changed is not None:
             return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
         job = {"run_dir": str(request["run_dir"]), "env": dict(request["env"]), "cwd": str(request["cwd"])}
-        spare, self.spare = self.spare, None
-        if spare is not None:
-            self.selector.unregister(spare.pidfd)
+        spare = self.take_spare()
         if spare is not None and spare.hand_over(job, fds):
             child, pidfd = spare.pid, spare.pidfd
         else:
@@ -201,6 +195,13 @@ class WarmServer:
         self.selector.register(pidfd, selectors.EVENT_READ, child)
         self.spare_due = time.monotonic() + SPARE_DELAY
         return {"pid": child}
+
+    def take_spare(self) -> Spare | None:
+        """The waiting spare, no longer watched here (its pidfd becomes a launcher's, or it goes)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            self.selector.unregister(spare.pidfd)
+        return spare
 
     def fork_spare(self) -> None:
         self.spare_due = None

@@ -67,12 +67,11 @@ class Spare:
             os.kill(self.pid, signal.SIGKILL)
         self.reap()
 
-    def reap(self) -> int:
-        """Wait for the (ended) spare; its exit status. Closes its pidfd."""
+    def reap(self) -> None:
+        """Wait for the (ended) spare, and close its pidfd."""
         os.close(self.pidfd)
         with contextlib.suppress(ChildProcessError):
-            return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return 0
+            os.waitpid(self.pid, 0)
 
 
 def fork_spare(module: str, keep: dict[int, int], run: Callable[[str], int]) -> Spare:
