@@ -22,6 +22,7 @@ Usage: python benchmarks/session_cells.py [calls per kind and peer] [alone]   (p
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -187,9 +188,30 @@ def quantile(values: list[float], q: float) -> float:
     return sorted(values)[min(int(q * len(values)), len(values) - 1)]
 
 
+def fixed_work() -> int:
+    """The same small piece of Python every time (about 40 us on a busy core here)."""
+    text = json.dumps({"values": list(range(200))})
+    return sum(len(str(i)) for i in range(300)) + len(text)
+
+
+def cold_factor(rounds: int = 20) -> float:
+    """How much slower this machine runs ``fixed_work`` right after ``PAUSE`` s of sleep than
+    again at once: what every process a call passes through pays after a pause (caches, and on
+    a virtual machine its idle vCPU, cold). Measured in this process, without any peer's calls."""
+    after_pause, at_once = [], []
+    for _ in range(rounds):
+        time.sleep(PAUSE)
+        for times in (after_pause, at_once):
+            started = time.perf_counter()
+            fixed_work()
+            times.append(time.perf_counter() - started)
+    return statistics.median(after_pause) / statistics.median(at_once)
+
+
 def main(calls: int, alone: bool) -> None:
     print(f"{os.cpu_count()} CPUs; {calls} calls of each kind per peer, in rounds of 10, peers alternated; "
           f"then {PAUSED_CALLS} trivial calls per peer, each after {PAUSE:g} s without calls")
+    print(f"this machine runs a fixed piece of Python {cold_factor():.1f}x slower {PAUSE:g} s after sleeping than right after it ran")
     peers = start_peers(alone)
     kinds = [*KINDS, PAUSED]
     times = {(peer.name, kind): [] for peer in peers for kind in kinds}  # type: ignore[attr-defined]

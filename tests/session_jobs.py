@@ -14,6 +14,10 @@ def pid() -> int:
     return os.getpid()
 
 
+def length(data: bytes) -> int:
+    return len(data)
+
+
 def init_gloo() -> int:
     import torch.distributed as dist
 

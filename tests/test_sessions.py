@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -150,17 +151,39 @@ def test_a_rank_killed_between_calls_is_named_by_the_next_call(session):
     assert session.state == "running" and len(set(session.run(jobs.pid, return_all=True)) - set(pids)) == 2
 
 
-def test_a_call_whose_file_does_not_match_its_hash_is_refused(session):
-    call = session.run_dir / "calls" / "9999"
-    call.mkdir(parents=True, mode=0o700)
-    (call / "job.pkl").write_bytes(b"not what the kernel hashed")
-    session._command(f"run 9999 {hashlib.sha256(b'something else').hexdigest()} 0 0")
+def refuse_call(session, number: str, inline: str = "") -> str:
+    """Send the launcher a call numbered ``number`` whose job does not hash to its digest; the
+    message of rank 0's error, once the launcher ended the call as failed."""
+    call = session.run_dir / "calls" / number
+    session._command(f"run {number} {hashlib.sha256(b'something else').hexdigest()} 0 0 {inline}".rstrip())
     deadline = time.monotonic() + 30
     while not (call / "outcome.json").exists():
         assert time.monotonic() < deadline, "the launcher never ended the call"
         time.sleep(0.05)
     assert json.loads((call / "outcome.json").read_text())["status"] == "failed"
-    assert "not the one the kernel wrote" in json.loads((call / "error-0.json").read_text())["message"]
+    return json.loads((call / "error-0.json").read_text())["message"]
+
+
+def test_a_call_whose_file_does_not_match_its_hash_is_refused(session):
+    call = session.run_dir / "calls" / "9999"
+    call.mkdir(parents=True, mode=0o700)
+    (call / "job.pkl").write_bytes(b"not what the kernel hashed")
+    assert f"the job file {call / 'job.pkl'} is not the one the kernel wrote" in refuse_call(session, "9999")
+    assert session.run(jobs.rank) == 0  # the session goes on
+
+
+def test_a_small_call_travels_in_its_line_a_large_one_as_a_file_and_both_are_checked(session):
+    from nbshard.kernel.persistent import INLINE_MAX
+
+    small = session.submit(jobs.length, b"x" * 100)
+    assert small.result() == 100
+    large = session.submit(jobs.length, b"x" * (INLINE_MAX + 1))
+    assert large.result() == INLINE_MAX + 1
+    assert not (small.run_dir / "job.pkl").exists() and (large.run_dir / "job.pkl").exists()
+    # A line whose job does not hash to its digest, or is not base64, is refused like a bad file.
+    for number, job in (("9997", base64.b64encode(b"not what the kernel hashed").decode()), ("9998", "not-base64!")):
+        (session.run_dir / "calls" / number).mkdir(mode=0o700)
+        assert "the job sent with the call is not the one the kernel wrote" in refuse_call(session, number, job)
     assert session.run(jobs.rank) == 0  # the session goes on
 
 

@@ -1,15 +1,16 @@
 """Persistent sessions: ranks that start once and run call after call (``nbshard.session``).
 
-A session is a launcher whose ranks stay up. Each call is written as a file into
-``calls/N`` of the session's private run directory, announced with its hash on
-the launcher's stdin (a socket pair: only the kernel holds the other end, and the
-launcher answers each call's end on it), and waited for with a ``JobHandle`` like any
-job: live lines, memory, results and tracebacks are the job's. Nothing here imports torch.
+A session is a launcher whose ranks stay up. Each call is sent with its hash on the
+launcher's stdin (a socket pair: only the kernel holds the other end, and the launcher
+answers each call's end on it): inside the line when it is small (``INLINE_MAX``), else as a
+file in ``calls/N`` of the session's private run directory; ``calls/N`` keeps the call's logs,
+results and outcome. It is waited for with a ``JobHandle`` like any job: live lines, memory, results and tracebacks are the job's. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import hashlib
 import itertools
@@ -38,6 +39,7 @@ from nbshard.kernel.telemetry import Telemetry, read_metrics_files
 __all__ = ["Session", "SessionBusy", "session", "sessions"]
 
 DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
+INLINE_MAX = 16 * 1024  # bytes: a call's job up to this size travels in its line (the ranks' pipes hold 64 KiB)
 CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
 _SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port", "debug_ranks"}
 _CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
@@ -214,14 +216,18 @@ class Session:
                 )
             call_dir, self._ready_dir = self._ready_dir or self._new_call_dir(), None
             call = call_dir.path.name
-            with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
-                job_file.write(payload)
+            inline = ""
+            if len(payload) <= INLINE_MAX:  # no file to make now and read in each rank: a call's common case
+                inline = " " + base64.b64encode(payload).decode()
+            else:
+                with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
+                    job_file.write(payload)
             write_sources(call_dir, payload)
             channel = _CallChannel(self)
             # The memory the session holds shows from the call's start, before the call's first sample.
             self._current = CallHandle(self, job, call_dir, channel, list(self._last_samples.values()))
             digest = hashlib.sha256(payload).hexdigest()
-            self._command(f"run {call} {digest} {job.timeout or 0} {int(job.return_all)}")
+            self._command(f"run {call} {digest} {job.timeout or 0} {int(job.return_all)}{inline}")
             return self._current
 
     def debug(self, rank: int | None = None) -> None:

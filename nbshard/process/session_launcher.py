@@ -4,10 +4,11 @@ Its ``RankGroup`` starts and streams the ranks as a job's launcher's does (compo
 that group's ``Driver``); what differs is here.
 
 The kernel writes one line per command on the launcher's stdin (a socket only it
-holds the other end of): ``run CALL DIGEST TIMEOUT ALL``, ``interrupt``, ``kill``, ``close``, and
+holds the other end of): ``run CALL DIGEST TIMEOUT ALL [JOB]`` (JOB: a small call's pickled job, in
+base64; else it is the file ``calls/CALL/job.pkl``), ``interrupt``, ``kill``, ``close``, and
 ``replies`` (first, where the kernel itself holds that end: each call's end is then answered on
 the same socket, not sent on the wire; ``nbshard.backends.channel``). The
-launcher passes ``CALL DIGEST ALL`` to each rank on a pipe of its own and collects
+launcher passes ``CALL DIGEST ALL [JOB]`` to each rank on a pipe of its own and collects
 their ``CALL STATUS COLLECTIVES SAMPLE`` answers; when every rank has answered it says so (with
 the ranks' memory samples and the outcome) on the kernel's channel, else on the wire, then writes
 ``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel reads it
@@ -152,7 +153,7 @@ class SessionLauncher:
                 continue
             command, *words = line.split()
             if command == "run":
-                self.begin_call(words[0], words[1], float(words[2]), words[3])
+                self.begin_call(words[0], words[1], float(words[2]), words[3], *words[4:5])
             elif command == "interrupt" and self.call is not None:
                 self.stop_call(Status.INTERRUPTED, "the interrupt")
             elif command == "kill":
@@ -164,7 +165,7 @@ class SessionLauncher:
             elif command == POST_MORTEM and self.call is None and int(words[0]) in self.commands:
                 os.write(self.commands[int(words[0])], f"{POST_MORTEM}\n".encode())
 
-    def begin_call(self, call: str, digest: str, timeout: float, return_all: str) -> None:
+    def begin_call(self, call: str, digest: str, timeout: float, return_all: str, inline: str = "") -> None:
         if self.call is not None or self.group.stop_reason is not None:
             return  # the kernel sends one call at a time, and none to a session it knows is ending
         self.group.flush_lines()  # what the ranks printed between calls is no call's
@@ -174,8 +175,9 @@ class SessionLauncher:
         for proc in self.group.ranks:
             self.session_logs[proc.rank] = proc.log
             proc.log = CallLog(self.call_dir.log(proc.rank))
-        for rank, fd in self.commands.items():
-            os.write(fd, f"{call} {digest} {return_all}\n".encode())
+        line = " ".join(filter(None, (call, digest, return_all, inline))) + "\n"
+        for fd in self.commands.values():
+            os.write(fd, line.encode())
 
     def stop_call(self, status: Status, what: str) -> None:
         """Interrupt every rank still in the call; those that do not leave it within the grace

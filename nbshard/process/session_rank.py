@@ -1,8 +1,9 @@
 """A rank of a persistent session: run call after call in one namespace.
 
-The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST ALL``
-lines (the call's files are in ``calls/CALL`` of the session's run directory, and
-the job file must hash to DIGEST) and ``interrupt CALL``, on the other this rank
+The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST ALL [JOB]``
+lines (the call's files are in ``calls/CALL`` of the session's run directory; its pickled job,
+which must hash to DIGEST, is JOB in base64, or the file ``calls/CALL/job.pkl`` without it) and
+``interrupt CALL``, on the other this rank
 answers ``ready`` once, then ``CALL STATUS COLLECTIVES SAMPLE`` when each call is over (SAMPLE:
 the rank's memory sample as JSON, ``null`` where memory is not sampled). ``postmortem`` opens pdb
 at the last failed call's error (its traceback is kept until the next call), answered as
@@ -13,7 +14,9 @@ Nothing arrives on a socket, and nothing is unpickled that the kernel did not ha
 
 from __future__ import annotations
 
+import base64
 import bdb
+import binascii
 import hashlib
 import json
 import os
@@ -95,7 +98,7 @@ class _Commands:
     def next(self) -> str | None:
         """The next command (waiting for it); None once the launcher closed the session."""
         while b"\n" not in self.buffer:
-            data = os.read(self.fd, 4096)
+            data = os.read(self.fd, 1 << 16)
             if not data:
                 return None
             self.buffer += data
@@ -115,8 +118,12 @@ class _Commands:
         return f"interrupt {call}\n".encode() in self.buffer
 
 
-def _verified(path: Path, digest: str) -> bytes | None:
-    data = path.read_bytes()
+def _verified(path: Path, digest: str, inline: list[str]) -> bytes | None:
+    """The call's job: sent in its line (``inline``) or the file ``path``, if it hashes to ``digest``."""
+    try:
+        data = base64.b64decode(inline[0], validate=True) if inline else path.read_bytes()
+    except binascii.Error:
+        return None
     return data if hashlib.sha256(data).hexdigest() == digest else None
 
 
@@ -161,13 +168,14 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
                 debugger.post_mortem(_State.failure)  # type: ignore[arg-type]
             os.write(write_fd, f"{POST_MORTEM} {'done' if found else 'none'} - null\n".encode())
             continue
-        call, digest, return_all = line.split()
+        call, digest, return_all, *inline = line.split()
         paths = RunDir(run_dir.path / "calls" / call)
         _State.assigned, _State.pending, _State.interrupted, _State.failure = True, False, False, None
         signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
-        payload = _verified(paths.job, digest)
+        payload = _verified(paths.job, digest, inline)
         if payload is None:
-            calls.write_error(paths, rank, ValueError(f"the job file {paths.job} is not the one the kernel wrote"))
+            sent = "the job sent with the call" if inline else f"the job file {paths.job}"
+            calls.write_error(paths, rank, ValueError(f"{sent} is not the one the kernel wrote"))
             status = "error"
         else:
             code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", mark_success=False, call=call_in_session, announce=False,
