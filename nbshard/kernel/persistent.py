@@ -2,9 +2,10 @@
 
 A session is a launcher whose ranks stay up. Each call is sent with its hash on the
 launcher's stdin (a socket pair: only the kernel holds the other end, and the launcher
-answers each call's end on it): inside the line when it is small (``INLINE_MAX``), else as a
-file in ``calls/N`` of the session's private run directory; ``calls/N`` keeps the call's logs,
-results and outcome. It is waited for with a ``JobHandle`` like any job: live lines, memory, results and tracebacks are the job's. Nothing here imports torch.
+answers each call's end on it): its job inside the line when small (``INLINE_MAX``), else as
+a file in ``calls/N`` of the session's private run directory, where the call's logs, results
+and outcome are kept. A call is waited for with a ``JobHandle`` like any job: live lines,
+memory, results and tracebacks are the job's. Nothing here imports torch.
 """
 
 from __future__ import annotations

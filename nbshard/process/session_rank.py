@@ -3,12 +3,11 @@
 The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST ALL [JOB]``
 lines (the call's files are in ``calls/CALL`` of the session's run directory; its pickled job,
 which must hash to DIGEST, is JOB in base64, or the file ``calls/CALL/job.pkl`` without it) and
-``interrupt CALL``, on the other this rank
-answers ``ready`` once, then ``CALL STATUS COLLECTIVES SAMPLE`` when each call is over (SAMPLE:
-the rank's memory sample as JSON, ``null`` where memory is not sampled). ``postmortem`` opens pdb
-at the last failed call's error (its traceback is kept until the next call), answered as
-``postmortem done - null`` once pdb is left (``none``: no call failed here).
-End-of-file on the first closes the session.
+``interrupt CALL``, on the other this rank answers ``ready`` once, then ``CALL STATUS
+COLLECTIVES SAMPLE`` when each call is over (SAMPLE: the rank's memory sample as JSON, ``null``
+where memory is not sampled). ``postmortem`` opens pdb at the last failed call's error (its
+traceback is kept until the next call), answered as ``postmortem done - null`` once pdb is left
+(``none``: no call failed here). End-of-file on the first closes the session.
 Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
 """
 
