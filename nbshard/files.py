@@ -51,18 +51,50 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     write_atomic_with(path, lambda file: file.write(data), mode)
 
 
-def write_atomic_with(path: Path, write: Callable[[Any], object], mode: int = 0o600) -> None:
+def write_atomic_with(path: Path, write: Callable[[Any], object], mode: int = 0o600, keep_small: int | None = None) -> bytes | None:
     """``write(file)`` into a temporary file beside ``path``, then rename it into place
-    (for large data written as it is made, never held whole)."""
+    (for large data written as it is made, never held whole). With ``keep_small``: while what is
+    written fits in that many bytes it is only kept in memory, and returned instead of a file
+    made (None where the file was written)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    sink = _SmallOrFile(keep_small, lambda: os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "wb"))
     try:
-        with os.fdopen(fd, "wb") as file:
-            write(file)
+        write(sink)
+        small = sink.close()
     except BaseException:
+        sink.close()
         temporary.unlink(missing_ok=True)
         raise
-    os.replace(temporary, path)
+    if small is None:
+        os.replace(temporary, path)
+    return small
+
+
+class _SmallOrFile:
+    """A binary sink that holds what it is given up to ``limit`` bytes, then moves it to the
+    file ``open_file()`` makes and writes there (``limit`` None: the file at once)."""
+
+    def __init__(self, limit: int | None, open_file: Callable[[], Any]) -> None:
+        self.limit, self.open_file = limit, open_file
+        self.kept = bytearray()
+        self.file = open_file() if limit is None else None
+
+    def write(self, data: bytes) -> int:
+        if self.file is None:
+            if len(self.kept) + len(data) <= self.limit:  # type: ignore[operator]
+                self.kept += data
+                return len(data)
+            self.file = self.open_file()
+            self.file.write(self.kept)
+            self.kept = bytearray()
+        return self.file.write(data)
+
+    def close(self) -> bytes | None:
+        """What was kept (no file was made), or None once the file is closed."""
+        if self.file is None:
+            return bytes(self.kept)
+        self.file.close()
+        return None
 
 
 def write_json(path: Path, value: Any) -> None:

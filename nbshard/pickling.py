@@ -242,18 +242,29 @@ def notebook_sources(payload: bytes) -> dict[str, str]:
     return found
 
 
-def write_sources(run_dir: RunDir, payload: bytes) -> None:
-    """Keep the notebook cells ``payload``'s code comes from beside it (``RunDir.sources``)."""
+def write_sources(run_dir: RunDir, payload: bytes, sent: dict[str, str] | None = None) -> None:
+    """Keep the notebook cells ``payload``'s code comes from beside it (``RunDir.sources``).
+    ``sent``: the cells the same ranks were given before (a session's, whose ranks keep them),
+    left out, and the ones written now added."""
     sources = notebook_sources(payload)
+    if sent is not None:
+        sources = {name: text for name, text in sources.items() if sent.get(name) != text}
     if sources:
         write_json(run_dir.sources, sources)
+        if sent is not None:
+            sent.update(sources)
+
+
+_cells: dict[str, tuple[int, None, list[str], str]] = {}  # every cell this rank was given (a session's are sent once)
 
 
 def register_sources(run_dir: RunDir) -> None:
-    """In a rank: the job's notebook cells into the line cache, as IPython keeps them in the kernel."""
+    """In a rank: the job's notebook cells into the line cache, as IPython keeps them in the kernel
+    (again each call: code the person ran may have cleared the cache)."""
     with contextlib.suppress(FileNotFoundError):
         for name, text in read_json(run_dir.sources).items():
-            linecache.cache[name] = (len(text), None, text.splitlines(keepends=True), name)
+            _cells[name] = (len(text), None, text.splitlines(keepends=True), name)
+    linecache.cache.update(_cells)
 
 
 class _DTensorResult(TypeError):
@@ -316,9 +327,10 @@ def _tensor_from_buffer(buffer: Any, dtype: str, shape: tuple[int, ...], require
     return tensor.requires_grad_() if requires_grad else tensor
 
 
-def write_result(path: Any, value: Any) -> None:
-    """Pickle a rank's result straight into ``path`` (atomically); TypeError naming the culprit."""
-    write_atomic_with(path, lambda file: _dump_result_into(file, value, "the returned value"))
+def write_result(path: Any, value: Any, keep_small: int | None = None) -> bytes | None:
+    """Pickle a rank's result straight into ``path`` (atomically); TypeError naming the culprit.
+    With ``keep_small``: a result of at most that many bytes is returned instead (no file made)."""
+    return write_atomic_with(path, lambda file: _dump_result_into(file, value, "the returned value"), keep_small=keep_small)
 
 
 def dump_result(value: Any, path: str = "the returned value") -> bytes:

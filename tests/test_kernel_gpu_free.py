@@ -41,6 +41,30 @@ def test_run_shows_a_live_view_that_ends_as_a_summary(kernel):
     assert "[rank0]: step 3" in result.stdout  # the lines themselves still stream into the cell
 
 
+def test_a_quick_silent_call_shows_one_view_and_a_printing_one_shows_it_above_its_lines(kernel):
+    # Each display waits for the kernel's output thread: a call that ends before the view's first
+    # update shows it once, at its end, not once at its start and again as its summary.
+    setup = kernel.execute(
+        "import nbshard\ns = nbshard.session('view', nproc=2)\n"
+        "def quiet():\n    return 1\n"
+        "def loud():\n    print('hello', flush=True)\n    return 2\n"
+        "s.run(quiet)"
+    )
+    assert setup.status == "ok", setup.traceback
+    quick = kernel.execute("s.run(quiet)\ns.run(quiet)\ns.run(quiet)")
+    assert quick.status == "ok", quick.traceback
+    shown = [m for m in quick.messages if m["msg_type"] in ("display_data", "update_display_data")]
+    assert [m["msg_type"] for m in shown] == ["display_data"] * 3
+    assert all("succeeded" in m["content"]["data"]["text/plain"].splitlines()[0] for m in shown)
+    printed = kernel.execute("s.run(loud)")
+    assert printed.status == "ok", printed.traceback
+    kinds = [m["msg_type"] for m in printed.messages if m["msg_type"] in ("display_data", "update_display_data", "stream")]
+    assert kinds[0] == "display_data" and "stream" in kinds, kinds  # the view sits above the lines
+    assert "[rank0]: hello" in printed.stdout and "[rank1]: hello" in printed.stdout
+    assert "succeeded" in printed.html()[-1]
+    kernel.execute("s.close()")
+
+
 def test_a_whole_job_leaves_torch_unimported_in_the_kernel(kernel):
     assert kernel.execute(HOLD).status == "ok"
     result = kernel.execute(

@@ -187,6 +187,38 @@ def test_a_small_call_travels_in_its_line_a_large_one_as_a_file_and_both_are_che
     assert session.run(jobs.rank) == 0  # the session goes on
 
 
+def test_small_values_come_back_in_the_ranks_answers_large_ones_as_files(session):
+    from nbshard.process.session_rank import VALUE_INLINE_MAX
+
+    large = VALUE_INLINE_MAX + 1
+    small = session.submit(jobs.bytes_by_rank, [100, 100], return_all=True)
+    assert small.result() == [b"x" * 100] * 2
+    assert set(small._values_sent()) == {0, 1}  # answered in the ranks' lines: no result file made
+    mixed = session.submit(jobs.bytes_by_rank, [100, large], return_all=True)
+    assert mixed.result() == [b"x" * 100, b"x" * large]
+    assert set(mixed._values_sent()) == {0}
+    assert not list(mixed.run_dir.glob("result-*.pkl"))  # the file read is gone once the caller has it
+
+
+def test_values_too_large_for_the_kernels_channel_come_as_files_the_launcher_writes():
+    # Four ranks' values, each small enough for its answer, together over what the launcher sends
+    # on the kernel's channel: the end goes on the wire and the values as result files.
+    from nbshard.process.session_launcher import REPLY_MAX
+    from nbshard.process.session_rank import VALUE_INLINE_MAX
+
+    assert 4 * (VALUE_INLINE_MAX - 200) * 4 // 3 > REPLY_MAX  # in base64
+    session = nbshard.session("wide", nproc=4)
+    try:
+        sizes = [VALUE_INLINE_MAX - 100 - rank for rank in range(4)]
+        handle = session.submit(jobs.bytes_by_rank, sizes, return_all=True)
+        assert handle.result() == [b"x" * size for size in sizes]
+        assert handle._values_sent() == {}
+        assert session.run(jobs.rank) == 0
+    finally:
+        session.close()
+    assert not wait_until_gone(session.run_dir, within=5.0)
+
+
 def test_a_busy_session_refuses_a_second_call_and_restart_gives_new_ranks(session):
     pids, first_run_dir = session.run(jobs.pid, return_all=True), session.run_dir
     handle = session.submit(jobs.sleep_long)
@@ -304,6 +336,24 @@ def test_session_cells_share_the_ranks_names_which_win_over_the_notebooks(kernel
     assert kernel.execute("print(seen)").stdout.strip() == "the notebook small model"
     listed = kernel.execute("import nbshard; print([s.name for s in nbshard.sessions()])")
     assert listed.stdout.strip() == "['s']"
+
+
+def test_a_sessions_ranks_are_sent_a_notebook_cell_once_and_keep_it(kernel):
+    # pdb and tracebacks in a rank show a cell's lines from its line cache; a session sends each
+    # cell's source with the first call that needs it, and the ranks keep it for later calls.
+    defined = kernel.execute(
+        "import inspect, linecache, nbshard\ns = nbshard.session('cells', nproc=2)\n"
+        "def source():\n    return inspect.getsource(source)\n"
+        "def sent(handle):\n    return handle.result() == inspect.getsource(source), (handle.run_dir / 'sources.json').exists()"
+    )
+    assert defined.status == "ok", defined.traceback
+    first = kernel.execute("print(sent(s.submit(source)))")
+    assert first.stdout.strip() == "(True, True)", first.stdout + first.traceback
+    again = kernel.execute("s.run(linecache.clearcache)\nprint(sent(s.submit(source)))")  # code a person ran cleared the cache
+    assert again.stdout.strip().endswith("(True, False)"), again.stdout + again.traceback
+    changed = kernel.execute("def source():\n    return inspect.getsource(source)  # edited\nprint(sent(s.submit(source)))")
+    assert changed.stdout.strip() == "(True, True)", changed.stdout + changed.traceback
+    kernel.execute("s.close()")
 
 
 def test_a_session_cell_that_raises_reads_as_a_local_error_and_an_interrupt_keeps_the_session(kernel):

@@ -375,8 +375,12 @@ class JobHandle:
         return collect(
             files, self._paths, outcome, world_size=self.world_size, return_all=self.job.return_all,
             timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
-            remove_later=self._results_removed_later,
+            remove_later=self._results_removed_later, sent=self._values_sent(),
         )
+
+    def _values_sent(self) -> dict[int, bytes]:
+        """Ranks' pickled values that came with the run's end rather than as files (a session's calls)."""
+        return {}
 
     def _read_outcome(self, files: OpenedDir) -> RunOutcome | None:
         return read_outcome(files, self._paths)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+from collections.abc import Iterable
 from typing import Any
 
 from nbshard.contracts import RankOutcome, RunOutcome, Status
@@ -56,22 +57,26 @@ def _rank_failures(files: OpenedDir, run_dir: RunDir, ranks: list[RankOutcome]) 
     return sorted(failures, key=lambda f: (not f.lost, f.stopped, 0.0 if f.stopped else f.time, f.rank))
 
 
-def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, world_size: int, remove: bool) -> list[Any]:
-    """The ranks' values, each read as a stream; then every result file goes (the values live on,
-    and a large one should not fill the disk for as long as the run directory is kept), unless
-    the caller removes them later (``remove_results``)."""
+def _load_values(files: OpenedDir, run_dir: RunDir, ranks: range, world_size: int, remove: bool, sent: dict[int, bytes]) -> list[Any]:
+    """The ranks' values (``sent``: those that came pickled with the run's end, else each read as
+    a stream from its file); then every result file goes (the values live on, and a large one
+    should not fill the disk for as long as the run directory is kept), unless the caller
+    removes them later (``remove_results``)."""
     values = []
     for rank in ranks:
+        if rank in sent:
+            values.append(pickle.loads(sent[rank]))
+            continue
         with files.open(run_dir.result(rank)) as file:
             values.append(pickle.load(file))
     if remove:
-        remove_results(run_dir, world_size, files)
+        remove_results(run_dir, range(world_size), files)
     return values
 
 
-def remove_results(run_dir: RunDir, world_size: int, files: OpenedDir | None = None) -> None:
-    """Every rank's result file, gone (through ``files`` where the directory is open)."""
-    for rank in range(world_size):
+def remove_results(run_dir: RunDir, ranks: Iterable[int], files: OpenedDir | None = None) -> None:
+    """The result files of ``ranks``, gone (through ``files`` where the directory is open)."""
+    for rank in ranks:
         with contextlib.suppress(OSError):
             files.unlink(run_dir.result(rank)) if files else os.unlink(run_dir.result(rank))
 
@@ -128,12 +133,14 @@ def collect(
     launcher_exit: int | None,
     storage_error: str | None = None,
     remove_later: bool = False,
+    sent: dict[int, bytes] | None = None,
 ) -> tuple[Any, JobError | None]:
     """(value, None) for a job that succeeded, else (None, the exception to raise).
 
     ``storage_error``: why the launcher could not write the run's files, as its last message
     said (when it could not write ``outcome.json`` either). ``remove_later``: the caller removes
     the result files (``remove_results``) once it has woken whoever waits for the value.
+    ``sent``: ranks' pickled values that came with the run's end message, not as files.
     """
     where = str(run_dir.path)
     storage_error = (outcome.storage_error if outcome else None) or storage_error
@@ -153,7 +160,8 @@ def collect(
     status = outcome.status
     if status is Status.SUCCEEDED:
         try:
-            values = _load_values(files, run_dir, range(world_size) if return_all else range(1), world_size, not remove_later)
+            values = _load_values(files, run_dir, range(world_size) if return_all else range(1), world_size, not remove_later,
+                                  sent or {})
         except Exception as error:  # noqa: BLE001 - reported with its cause
             failed = JobFailed(
                 f"The job succeeded but its result could not be loaded in the kernel: {error!r}. "

@@ -3,8 +3,9 @@
 A session is a launcher whose ranks stay up. Each call is sent with its hash on the
 launcher's stdin (a socket pair: only the kernel holds the other end, and the launcher
 answers each call's end on it): its job inside the line when small (``INLINE_MAX``), else as
-a file in ``calls/N`` of the session's private run directory, where the call's logs, results
-and outcome are kept. A call is waited for with a ``JobHandle`` like any job: live lines,
+a file in ``calls/N`` of the session's private run directory, where the call's logs, errors
+and outcome are kept (a small value comes back in the launcher's answer, a large one as a
+result file there). A call is waited for with a ``JobHandle`` like any job: live lines,
 memory, results and tracebacks are the job's. Nothing here imports torch.
 """
 
@@ -84,6 +85,7 @@ class Session:
         self.started = time.time()
         self.lost: SessionLost | None = None
         self._names: set[str] = set()
+        self._sources_sent: dict[str, str] = {}  # the notebook cells these ranks hold, by file name
         self._telemetry = Telemetry(self.world_size)
         self._last_samples: dict[int, dict[str, Any]] = {}
         self._current: CallHandle | None = None
@@ -137,7 +139,7 @@ class Session:
             else:
                 with open_private(call_dir.job, "xb") as job_file:  # not renamed into place: the rank checks its digest
                     job_file.write(payload)
-            write_sources(call_dir, payload)
+            write_sources(call_dir, payload, self._sources_sent)  # each rank keeps the cells it was sent
             channel = CallChannel(self)
             # The memory the session holds shows from the call's start, before the call's first sample.
             self._current = CallHandle(self, job, call_dir, channel, list(self._last_samples.values()))
@@ -339,7 +341,7 @@ class Session:
             for sample in message.get("samples", ()) if kind == "end" else ():  # what each rank holds after the call
                 self._route(sample)
             if current._on_message(message):  # type: ignore[union-attr]
-                current._end(message.get("outcome"))  # type: ignore[union-attr]
+                current._end(message.get("outcome"), message.get("values"))  # type: ignore[union-attr]
         elif (kind == "debug" or message.get("event") == POST_MORTEM) and self._post_mortem is not None:
             self._post_mortem.arrived(message)
         elif kind == "lines":

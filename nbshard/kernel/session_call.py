@@ -4,6 +4,7 @@ messages and ends it; ``nbshard.kernel.persistent`` owns the session."""
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import threading
 from collections.abc import Callable, Iterable
@@ -49,9 +50,12 @@ class CallChannel:
         self._session = session
         self._ended = threading.Event()
         self.outcome: dict[str, Any] | None = None  # as the launcher's end message carried it
+        self.values: dict[int, bytes] = {}  # rank -> its pickled value, where that message carried it
 
-    def end(self, outcome: dict[str, Any] | None = None) -> None:
-        self.outcome = self.outcome or outcome
+    def end(self, outcome: dict[str, Any] | None = None, values: dict[str, str] | None = None) -> None:
+        if self.outcome is None and outcome is not None:
+            self.outcome = outcome
+            self.values = {int(rank): base64.b64decode(value) for rank, value in (values or {}).items()}
         self._ended.set()
 
     def poll(self) -> int | None:
@@ -89,13 +93,19 @@ class CallHandle(JobHandle):
 
     _results_removed_later = True
 
-    def _end(self, outcome: dict[str, Any] | None = None) -> None:
-        """The call ended (``outcome``: as the launcher's end message carried it); once only."""
+    def _end(self, outcome: dict[str, Any] | None = None, values: dict[str, str] | None = None) -> None:
+        """The call ended (``outcome`` and the ranks' small ``values``: as the launcher's end
+        message carried them); once only."""
         if self._channel.poll() is None:
-            self._channel.end(outcome)
+            self._channel.end(outcome, values)
             self._finish()
-            remove_results(self._paths, self.world_size)  # its caller has the value already
+            # Its caller has the value already; a value that came in the message made no file.
+            kept = range(self.world_size) if self.job.return_all else range(1)
+            remove_results(self._paths, [rank for rank in kept if rank not in self._channel.values])
             self._session._prepare_call_dir()
+
+    def _values_sent(self) -> dict[int, bytes]:
+        return self._channel.values
 
     def _run_callbacks(self, callbacks: list[Callable[[JobHandle], Any]]) -> None:
         # Not on the session's thread, which ended this call: a callback may start the next call

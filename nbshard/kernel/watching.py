@@ -58,7 +58,7 @@ class Watched(Protocol):
 def watch(handle: Watched, out: Any) -> None:
     """Print ``handle``'s lines to ``out`` until the job ends (``JobHandle.watch`` says what else)."""
     printer = LinePrinter(handle.job.show_ranks)
-    live = LiveDisplay(lambda: render_view(handle)) if out is sys.stdout and in_notebook() else None
+    live = LazyView(lambda: render_view(handle)) if out is sys.stdout and in_notebook() else None
     next_memory_text = time.monotonic() + MEMORY_TEXT_INTERVAL
     most = LIVE_LINES_PER_TICK if live is not None else None
     backlog, debugger = handle._live, handle._debugger
@@ -70,6 +70,8 @@ def watch(handle: Watched, out: Any) -> None:
         if text:
             chunks.append(printer.note(text))
         if chunks:
+            if live is not None:
+                live.shown()  # above the lines
             out.write("".join(chunks))
             out.flush()
 
@@ -99,12 +101,34 @@ def watch(handle: Watched, out: Any) -> None:
     finally:
         backlog.patient = debugger.watched = False
         show(None if live is not None else memory_text(handle, peak=True), most=None)
-        out.write(printer.close())
-        out.flush()
+        if ending := printer.close():
+            out.write(ending)
+            out.flush()
         if live is not None:
             live.update()  # the summary stays in the cell
         if handle.job.profile and handle.done():
             _show_profile(handle, out, in_notebook_cell=live is not None)
+
+
+class LazyView:
+    """A ``LiveDisplay`` made when first needed: before the first line is printed below it, at
+    the first paced update, or at the end. A call that ends at once, silent, costs one display,
+    not a display and its update (each waits for the kernel's output thread twice)."""
+
+    def __init__(self, render: Callable[[], tuple[str, str]]) -> None:
+        self._render = render
+        self._display: LiveDisplay | None = None
+
+    def shown(self) -> bool:
+        """Make the display if it is not there yet; True where it was made now (so is current)."""
+        if self._display is None:
+            self._display = LiveDisplay(self._render)
+            return True
+        return False
+
+    def update(self, min_interval: float = 0.0) -> None:
+        if not self.shown():
+            self._display.update(min_interval)  # type: ignore[union-attr]
 
 
 def show_live(handle: Watched, refresh: float) -> None:

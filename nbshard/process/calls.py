@@ -176,11 +176,13 @@ def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def run_job(
     paths: RunDir, rank: int, payload: bytes, *, keep_result: bool, mark_success: bool = True, call: Callable[..., Any] = call_job,
     keep: Callable[[str, Any], bool] | None = None, announce: bool = True, main_file: Path | None = None,
-) -> int:
+    inline_max: int | None = None,
+) -> tuple[int, bytes | None]:
     """Load the job from ``payload``, run it with ``call``, write ``paths``' result or error file
-    for this rank; returns the rank's exit code. Where the value is not kept, the result file
-    holds None, as a job's launcher's sign that the rank got through (``mark_success=False``: none,
-    for a session's rank, whose answer says so). A session runs each of its calls this way
+    for this rank; returns the rank's exit code, and its pickled value where it took at most
+    ``inline_max`` bytes (then no result file is made: a session's rank answers with it). Where
+    the value is not kept, the result file holds None, as a job's launcher's sign that the rank
+    got through (``mark_success=False``: none, for a session's rank, whose answer says so). A session runs each of its calls this way
     (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
     the job is loaded and runs; ``main_file``: where spawn-started children find the notebook's
     names, ``paths``' own by default)."""
@@ -195,7 +197,7 @@ def run_job(
             "importable here. Install it in this Python environment, make it importable from the "
             "job's cwd, or pass pickle_by_value=[module]."
         ))
-        return 1
+        return 1, None
     _install_notebook_main(_notebook_objects(fn, args, kwargs), main_file or paths.notebook_main(rank), keep)
     if announce:  # loaded, its imports done: the cell says so (a session's calls run in ranks long up)
         monitor.send_stage("running")
@@ -204,16 +206,15 @@ def run_job(
     except SystemExit as stop:
         if stop.code not in (None, 0):
             write_error(paths, rank, stop)
-            return stop.code if isinstance(stop.code, int) else 1
+            return (stop.code if isinstance(stop.code, int) else 1), None
         value = None
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the kernel
         write_error(paths, rank, error)
-        return 1
+        return 1, None
     if not keep_result and not mark_success:
-        return 0
+        return 0, None
     try:
-        write_result(paths.result(rank), value if keep_result else None)
+        return 0, write_result(paths.result(rank), value if keep_result else None, keep_small=inline_max)
     except Exception as error:  # noqa: BLE001
         write_error(paths, rank, error.with_traceback(None))
-        return 1
-    return 0
+        return 1, None

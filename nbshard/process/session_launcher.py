@@ -9,9 +9,9 @@ base64; else it is the file ``calls/CALL/job.pkl``), ``interrupt``, ``kill``, ``
 ``replies`` (first, where the kernel itself holds that end: each call's end is then answered on
 the same socket, not sent on the wire; ``nbshard.backends.channel``). The
 launcher passes ``CALL DIGEST ALL [JOB]`` to each rank on a pipe of its own and collects
-their ``CALL STATUS COLLECTIVES SAMPLE`` answers; when every rank has answered it says so (with
-the ranks' memory samples and the outcome) on the kernel's channel, else on the wire, then writes
-``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel reads it
+their ``CALL STATUS COLLECTIVES VALUE SAMPLE`` answers; when every rank has answered it says so
+(with the ranks' small values, memory samples and the outcome) on the kernel's channel, else on
+the wire (the values written as result files first), then writes ``calls/CALL/outcome.json`` (the layout of a job's run directory, so the kernel reads it
 like a job's). A call that some rank cannot
 leave, a rank that dies, or ranks whose collective counts disagree lose the
 session: every rank is stopped (with its stacks) rather than left to hang or to
@@ -20,6 +20,7 @@ pair the wrong tensors in the next collective.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -34,7 +35,7 @@ from typing import Any
 
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import likely_cause, signal_name
-from nbshard.files import open_private, write_json
+from nbshard.files import open_private, write_atomic, write_json
 from nbshard.job import POST_MORTEM, RunDir
 from nbshard.process.launcher import FAILURE_GRACE
 from nbshard.process.rank_group import RankGroup
@@ -89,6 +90,7 @@ class SessionLauncher:
         self.call_dir: RunDir | None = None
         self.replies: dict[int, tuple[str, int | None, float]] = {}  # rank -> (status, collectives, time)
         self.samples: list[str] = []  # the memory samples (JSON) the ranks answered with
+        self.values: dict[str, str] = {}  # rank -> the call's pickled value in base64, where small
         self.call_stopped: Status | None = None  # INTERRUPTED or TIMED_OUT when the call was asked to stop
         self.call_deadline = self.leave_by = float("inf")
         self.waiting_on = ""  # what ranks that have not left the call by leave_by are waiting on
@@ -117,7 +119,7 @@ class SessionLauncher:
     def marked(self, fd: int, mark: str, target: Any) -> None:
         """A rank's answer pipe (the only other mark) is readable."""
         try:
-            data = os.read(fd, 4096)
+            data = os.read(fd, 1 << 16)
         except BlockingIOError:
             return
         if not data:
@@ -129,11 +131,13 @@ class SessionLauncher:
             if line == b"ready":
                 self.ready.add(target)
                 continue
-            call, status, count, sample = line.decode().split(" ", 3)
+            call, status, count, value, sample = line.decode().split(" ", 4)
             if call == POST_MORTEM:
                 self.group.send({"kind": "event", "event": POST_MORTEM, "rank": target, "found": status == "done"})
             elif call == self.call:
                 self.replies[target] = (status, None if count == "-" else int(count), time.time())
+                if value != "-":
+                    self.values[str(target)] = value
                 if sample != "null":
                     self.samples.append(sample)
                 self.answered(target, status)
@@ -170,7 +174,7 @@ class SessionLauncher:
             return  # the kernel sends one call at a time, and none to a session it knows is ending
         self.group.flush_lines()  # what the ranks printed between calls is no call's
         self.call, self.call_dir = call, RunDir(self.run_dir.path / "calls" / call)
-        self.replies, self.samples, self.call_stopped, self.leave_by = {}, [], None, float("inf")
+        self.replies, self.samples, self.values, self.call_stopped, self.leave_by = {}, [], {}, None, float("inf")
         self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
         for proc in self.group.ranks:
             self.session_logs[proc.rank] = proc.log
@@ -265,23 +269,17 @@ class SessionLauncher:
                     del owners[fd]
         for proc in self.group.ranks:
             self.group.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
-        errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
-        outcome = RunOutcome(
-            status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
-            storage_error=self.group.storage_error,
-            first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.group.first_failure,
-            ranks=[self.rank_outcome(proc) for proc in self.group.ranks],
-        )
-        record = outcome.to_json()
         samples = []
         for sample in self.samples:
             with contextlib.suppress(ValueError):
                 samples.append(json.loads(sample))
-        # The end carries the ranks' samples and the outcome, so the kernel has what the ranks hold
-        # after the call and need not wait for the file; the file (written next) is the record, and
-        # what the kernel reads when the message is late or lost.
-        end = {"kind": "end", "status": status, "storage_error": self.group.storage_error, "outcome": record, "samples": samples}
-        if not self.reply(end):
+        # The end carries the ranks' samples, small values and the outcome, so the kernel has what
+        # the ranks hold after the call and need not wait for files; the outcome file (written next)
+        # is the record, and what the kernel reads when the message is late or lost.
+        record, end = self.ending(status, diverged, samples)
+        if not self.reply({**end, "values": self.values}):
+            if not self.write_values():  # a full disk: the call's outcome says so
+                record, end = self.ending(status, diverged, samples)
             self.group.send(end)
         write_json(self.call_dir.outcome, record)
         for proc in self.group.ranks:
@@ -310,6 +308,31 @@ class SessionLauncher:
             self.back.close()
             self.back = None
             return False
+        return True
+
+    def ending(self, status: Status, diverged: bool, samples: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The call's outcome record, and the end message that carries it."""
+        errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
+        outcome = RunOutcome(
+            status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
+            storage_error=self.group.storage_error,
+            first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.group.first_failure,
+            ranks=[self.rank_outcome(proc) for proc in self.group.ranks],
+        )
+        record = outcome.to_json()
+        return record, {"kind": "end", "status": status, "storage_error": self.group.storage_error, "outcome": record, "samples": samples}
+
+    def write_values(self) -> bool:
+        """The ranks' small values as the result files the kernel reads when its channel did not
+        carry them; False (the storage error noted) where one could not be written."""
+        assert self.call_dir is not None
+        for rank, value in self.values.items():
+            path = self.call_dir.result(int(rank))
+            try:
+                write_atomic(path, base64.b64decode(value))
+            except OSError as error:
+                self.group.storage_error = self.group.storage_error or f"{error.strerror} while writing {path}"
+                return False
         return True
 
     def rank_outcome(self, proc: Rank) -> RankOutcome:

@@ -4,10 +4,12 @@ The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST A
 lines (the call's files are in ``calls/CALL`` of the session's run directory; its pickled job,
 which must hash to DIGEST, is JOB in base64, or the file ``calls/CALL/job.pkl`` without it) and
 ``interrupt CALL``, on the other this rank answers ``ready`` once, then ``CALL STATUS
-COLLECTIVES SAMPLE`` when each call is over (SAMPLE: the rank's memory sample as JSON, ``null``
+COLLECTIVES VALUE SAMPLE`` when each call is over (VALUE: the call's pickled value in base64
+where the kernel asked for it and it took at most ``VALUE_INLINE_MAX`` bytes, else ``-`` and
+the file ``calls/CALL/result-RANK.pkl``; SAMPLE: the rank's memory sample as JSON, ``null``
 where memory is not sampled). ``postmortem`` opens pdb at the last failed call's error (its
-traceback is kept until the next call), answered as ``postmortem done - null`` once pdb is left
-(``none``: no call failed here). End-of-file on the first closes the session.
+traceback is kept until the next call), answered as ``postmortem done - - null`` once pdb is
+left (``none``: no call failed here). End-of-file on the first closes the session.
 Nothing arrives on a socket, and nothing is unpickled that the kernel did not hash.
 """
 
@@ -33,6 +35,7 @@ from nbshard.job import POST_MORTEM, RunDir
 __all__ = ["PIPES_ENV", "collectives_issued", "in_session", "serve"]
 
 PIPES_ENV = "NBSHARD_SESSION_FDS"  # "READ,WRITE": this rank's ends of its two pipes to the launcher
+VALUE_INLINE_MAX = 16 * 1024  # bytes: a call's pickled value up to this size rides in the rank's answer, no file
 
 
 class _State:
@@ -126,6 +129,14 @@ def _verified(path: Path, digest: str, inline: list[str]) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == digest else None
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` on the pipe: a line over the pipe's atomic size may be written in parts
+    (a signal arriving mid-write), and the launcher must never read half an answer as whole."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
     """Answer the launcher's calls until it closes the session; returns the exit code."""
     from nbshard.process import calls, debugger
@@ -165,20 +176,23 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             found = _State.failure is not None
             if found:
                 debugger.post_mortem(_State.failure)  # type: ignore[arg-type]
-            os.write(write_fd, f"{POST_MORTEM} {'done' if found else 'none'} - null\n".encode())
+            os.write(write_fd, f"{POST_MORTEM} {'done' if found else 'none'} - - null\n".encode())
             continue
         call, digest, return_all, *inline = line.split()
         paths = RunDir(run_dir.path / "calls" / call)
         _State.assigned, _State.pending, _State.interrupted, _State.failure = True, False, False, None
         signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
         payload = _verified(paths.job, digest, inline)
+        value = None
         if payload is None:
             sent = "the job sent with the call" if inline else f"the job file {paths.job}"
             calls.write_error(paths, rank, ValueError(f"{sent} is not the one the kernel wrote"))
             status = "error"
         else:
-            code = calls.run_job(paths, rank, payload, keep_result=rank == 0 or return_all == "1", mark_success=False, call=call_in_session, announce=False,
-                                  keep=lambda name, value: not is_notebook_code(value), main_file=run_dir.notebook_main(rank))
+            code, value = calls.run_job(
+                paths, rank, payload, keep_result=rank == 0 or return_all == "1", mark_success=False, call=call_in_session, announce=False,
+                keep=lambda name, value: not is_notebook_code(value), main_file=run_dir.notebook_main(rank), inline_max=VALUE_INLINE_MAX,
+            )
             status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
         _State.assigned = False
         if rank == 0 and (names := sorted(name for name in namespace if not name.startswith("__"))) != names_sent:
@@ -187,5 +201,6 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
         count = collectives_issued()
         # What the rank holds after the call rides with its answer: the kernel has it before the call's end.
         sample = monitor.take_sample()
-        os.write(write_fd, f"{call} {status} {'-' if count is None else count} {json.dumps(sample, separators=(',', ':'))}\n".encode())
+        sent = "-" if value is None else base64.b64encode(value).decode()
+        _write_all(write_fd, f"{call} {status} {'-' if count is None else count} {sent} {json.dumps(sample, separators=(',', ':'))}\n".encode())
     return 0

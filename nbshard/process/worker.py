@@ -83,7 +83,7 @@ def _run(run_dir: RunDir, rank: int) -> int:
         from nbshard.rank.profiling import profiled
 
         call = profiled(run_dir, rank, call_job)
-    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all, call=call)
+    return run_job(run_dir, rank, run_dir.job.read_bytes(), keep_result=rank == 0 or launch.return_all, call=call)[0]
 
 
 def _skip_torch_library_finalizers() -> None:
