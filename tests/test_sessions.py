@@ -235,6 +235,10 @@ def test_session_options_are_checked():
         nbshard.session("x", npro=2)
     with pytest.raises(ValueError, match="interrupt_grace"):
         nbshard.session("x", interrupt_grace=0)
+    for backend in ("ray", "slurm"):  # refused before anything starts: no engine is needed to say so
+        with pytest.raises(ValueError, match=f"backend='{backend}' starts a launcher per node.*nbshard.run"):
+            nbshard.session("x", backend=backend)
+    assert nbshard.sessions() == []
     started = nbshard.session("x", nproc=1)
     try:
         with pytest.raises(ValueError, match="running with other nproc"):
@@ -243,6 +247,37 @@ def test_session_options_are_checked():
             started.run(jobs.pid, nproc=2)
     finally:
         started.close()
+
+
+class _NodeLaunchers:
+    """What a registered backend that starts launchers per node returns (as Ray's and Slurm's
+    node groups): not one launcher process of this kernel's."""
+
+    def __init__(self, launcher):
+        self.launcher, self.note = launcher, launcher.note
+
+    def poll(self):
+        return self.launcher.poll()
+
+    def kill(self):
+        self.launcher.kill()
+
+    def close(self):
+        self.launcher.close()
+
+
+def test_a_backend_that_starts_node_launchers_is_refused_and_what_it_started_goes(runs_dir):
+    from nbshard.backends import BACKENDS, register_backend
+    from nbshard.backends.local import start_local
+
+    register_backend("node-launchers", lambda run_dir, env, cwd, *, preload=None: _NodeLaunchers(start_local(run_dir, env, cwd, preload=None)))
+    try:
+        with pytest.raises(ValueError, match="starts a launcher per node"):
+            nbshard.session("nodes", nproc=1, backend="node-launchers")
+    finally:
+        del BACKENDS["node-launchers"]
+    assert nbshard.sessions() == []
+    assert not wait_until_gone(runs_dir, within=5.0)
 
 
 def test_a_notebook_function_sees_the_sessions_names_and_keeps_what_it_binds(script, runs_dir):

@@ -45,6 +45,18 @@ CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs i
 _SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port", "debug_ranks"}
 _CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
 
+_NODE_BACKENDS = {"ray", "slurm"}  # a launcher per node, reached through the engine: jobs only
+
+
+def _one_machine_only(backend: str) -> str:
+    return (
+        f"a session runs its ranks on this machine, under one launcher that only this kernel talks to; "
+        f"backend={backend!r} starts a launcher per node through an engine, which runs jobs, not sessions. "
+        f"Run that work as a job (nbshard.run(fn, backend={backend!r}, nnodes=...)), or start the session "
+        "without backend= (its ranks here)."
+    )
+
+
 _sessions: dict[str, Session] = {}
 _sessions_lock = threading.Lock()
 
@@ -77,6 +89,11 @@ class Session:
             placeholder, None, session=True, interrupt_grace=self.interrupt_grace
         )
         self.run_dir = self._paths.path
+        if not hasattr(self._launcher, "pid"):  # a registered backend that starts node launchers
+            self._launcher.kill()
+            self._launcher.close()
+            self._receiver.close()
+            raise ValueError(_one_machine_only(self._options.get("backend", "?")))
         mkdir_private(self.run_dir / "calls", exist_ok=True)
         self.pid = self._launcher.pid
         self.warm = isinstance(self._launcher, WarmLauncher)
@@ -383,6 +400,8 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
     if not isinstance(name, str) or not name:
         raise ValueError(f"a session's name is a non-empty string, got {name!r}")
     check_seconds("interrupt_grace", interrupt_grace)
+    if options.get("backend") in _NODE_BACKENDS:
+        raise ValueError(_one_machine_only(options["backend"]))
     with _sessions_lock:
         existing = _sessions.get(name)
         if existing is not None:  # running, diverged or lost: lost stays lost until restart() or close()
