@@ -44,6 +44,15 @@ def test_the_ranks_and_what_they_hold_stay_between_calls_and_close_frees_them(se
         session.run(jobs.pid)
 
 
+def test_a_session_in_a_with_block_is_closed_at_its_end_also_after_an_error():
+    with pytest.raises(ZeroDivisionError):
+        with nbshard.session("scoped", nproc=2) as scoped:
+            assert scoped.run(jobs.pid, return_all=True)[0] != os.getpid()
+            1 / 0
+    assert scoped.state == "closed" and "scoped" not in [s.name for s in nbshard.sessions()]
+    assert not wait_until_gone(scoped.run_dir, within=5.0)
+
+
 def test_a_calls_metrics_memory_and_logs_are_its_own(session):
     first = session.submit(jobs.log_two_steps)
     first.result(timeout=60)

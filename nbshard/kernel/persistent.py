@@ -381,6 +381,13 @@ class Session:
             if _sessions.get(self.name) is self:
                 del _sessions[self.name]
 
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """``with nbshard.session(...) as s:`` closes it at the block's end, as after an error."""
+        self.close()
+
     def restart(self) -> None:
         """New ranks with the same options; what the old ones held is gone."""
         self.close()
