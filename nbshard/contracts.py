@@ -170,6 +170,7 @@ class RunOutcome:
     stopped_from_outside: dict[int, str] = dataclasses.field(default_factory=dict)  # node -> signal
     reason: str | None = None  # why a session was lost
     diverged: bool = False  # a session call that failed on some ranks and returned on others
+    unsent: list[int] = dataclasses.field(default_factory=list)  # a session call's ranks that returned a value it could not send
 
     def to_json(self) -> dict[str, Any]:
         data = _plain(self)

@@ -48,6 +48,19 @@ def raise_on_rank_1() -> str:
     return "rank 0 returned"
 
 
+def count_then_return_a_lock() -> object:
+    """Runs to its end in every rank, and returns what cannot be pickled."""
+    import threading
+
+    global counted
+    counted = globals().get("counted", 0) + 1
+    return threading.Lock()
+
+
+def counted_so_far() -> int:
+    return counted
+
+
 def raise_on_rank_1_while_rank_0_waits() -> None:
     import torch.distributed as dist
 

@@ -265,7 +265,15 @@ class Session:
         new: JobError | None
         if status is Status.SUCCEEDED:
             return error  # None, or a result the kernel could not load
-        if status is Status.FAILED and not outcome.diverged:  # type: ignore[union-attr]
+        if status is Status.FAILED and outcome.unsent and {f.rank for f in failures} <= set(outcome.unsent):  # type: ignore[union-attr]
+            ranks = outcome.unsent  # type: ignore[union-attr]
+            new = JobFailed(
+                f"The call ran to its end in every rank, but the value of rank{'s' * (len(ranks) > 1)} "
+                f"{', '.join(map(str, ranks))} could not be sent back; session {self.name!r} lives on and holds "
+                "what the call did (keep the value in the session with 'global', and return what can travel).",
+                failures, where,
+            )
+        elif status is Status.FAILED and not outcome.diverged:  # type: ignore[union-attr]
             new = JobFailed(f"The call failed in every rank that ran it; session {self.name!r} lives on.", failures, where)
         elif status is Status.FAILED:
             self.state = "diverged"

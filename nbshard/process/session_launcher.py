@@ -254,8 +254,9 @@ class SessionLauncher:
             self.finish_call(self.call_stopped)
         elif statuses == {"ok"}:
             self.finish_call(Status.SUCCEEDED)
-        else:
-            self.finish_call(Status.FAILED, diverged="ok" in statuses)
+        else:  # diverged: the function ran to its end in some ranks and not in others
+            ran_through = {"ok", "unsent"}  # unsent: it returned, but its value could not be pickled
+            self.finish_call(Status.FAILED, diverged=bool(statuses & ran_through and statuses - ran_through))
 
     def finish_call(self, status: Status, diverged: bool = False) -> None:
         assert self.call_dir is not None
@@ -315,6 +316,7 @@ class SessionLauncher:
         errors = [r for r, reply in self.replies.items() if reply[0] == "error"]
         outcome = RunOutcome(
             status=status, diverged=diverged, reason=self.lost_why if status is Status.LOST else None,
+            unsent=sorted(r for r, reply in self.replies.items() if reply[0] == "unsent"),
             storage_error=self.group.storage_error,
             first_failure=min(errors, key=lambda r: self.replies[r][2]) if errors else self.group.first_failure,
             ranks=[self.rank_outcome(proc) for proc in self.group.ranks],

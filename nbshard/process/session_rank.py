@@ -4,7 +4,8 @@ The launcher holds the other ends of two pipes: on one it writes ``CALL DIGEST A
 lines (the call's files are in ``calls/CALL`` of the session's run directory; its pickled job,
 which must hash to DIGEST, is JOB in base64, or the file ``calls/CALL/job.pkl`` without it) and
 ``interrupt CALL``, on the other this rank answers ``ready`` once, then ``CALL STATUS
-COLLECTIVES VALUE SAMPLE`` when each call is over (VALUE: the call's pickled value in base64
+COLLECTIVES VALUE SAMPLE`` when each call is over (STATUS: ``ok``; ``error``: the function raised;
+``unsent``: it returned, but its value could not be sent back; ``interrupted``; VALUE: the call's pickled value in base64
 where the kernel asked for it and it took at most ``VALUE_INLINE_MAX`` bytes, else ``-`` and
 the file ``calls/CALL/result-RANK.pkl``; SAMPLE: the rank's memory sample as JSON, ``null``
 where memory is not sampled). ``postmortem`` opens pdb at the last failed call's error (its
@@ -45,6 +46,7 @@ class _State:
     in_call = False  # in the call's function: an interrupt raises KeyboardInterrupt there
     pending = False
     interrupted = False
+    returned = False  # the call's function returned (its value may still fail to pickle)
     failure: types.TracebackType | None = None  # the last failed call's traceback, for a post-mortem
 
 
@@ -157,7 +159,9 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
         try:
             if _State.pending or commands.interrupted(call):
                 raise KeyboardInterrupt
-            return calls.call_job(fn, args, kwargs)
+            value = calls.call_job(fn, args, kwargs)
+            _State.returned = True
+            return value
         except (KeyboardInterrupt, bdb.BdbQuit):  # an interrupt, or a quit in this rank's debugger
             _State.interrupted = True
             raise
@@ -180,7 +184,7 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
             continue
         call, digest, return_all, *inline = line.split()
         paths = RunDir(run_dir.path / "calls" / call)
-        _State.assigned, _State.pending, _State.interrupted, _State.failure = True, False, False, None
+        _State.assigned, _State.pending, _State.interrupted, _State.returned, _State.failure = True, False, False, False, None
         signal.signal(signal.SIGINT, _on_interrupt)  # a call may have set its own (Lightning ignores it)
         payload = _verified(paths.job, digest, inline)
         value = None
@@ -193,7 +197,7 @@ def serve(run_dir: RunDir, rank: int, launch: LaunchSpec) -> int:
                 paths, rank, payload, keep_result=rank == 0 or return_all == "1", mark_success=False, call=call_in_session, announce=False,
                 keep=lambda name, value: not is_notebook_code(value), main_file=run_dir.notebook_main(rank), inline_max=VALUE_INLINE_MAX,
             )
-            status = "interrupted" if _State.interrupted else ("ok" if code == 0 else "error")
+            status = "interrupted" if _State.interrupted else "ok" if code == 0 else "unsent" if _State.returned else "error"
         _State.assigned = False
         if rank == 0 and (names := sorted(name for name in namespace if not name.startswith("__"))) != names_sent:
             write_json(paths.names, names)  # the kernel keeps the last call's names when a call writes none
