@@ -16,6 +16,7 @@ from nbshard.errors import (
     script_excepthook,
 )
 from nbshard.kernel.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
+from nbshard.kernel.payload import LargeJob
 from nbshard.job import Job
 from nbshard.rank.monitor import log_metrics
 from nbshard.kernel.persistent import Session, SessionBusy, session, sessions
@@ -29,6 +30,7 @@ __all__ = [
     "JobInterrupted",
     "JobTimedOut",
     "KernelHoldsCUDA",
+    "LargeJob",
     "RankFailure",
     "RemoteError",
     "Session",

@@ -48,6 +48,14 @@ def test_a_cell_runs_on_every_rank_and_pulls_values_back(notebook):
     assert notebook.execute("print(values, who)").stdout.strip() == "[0, 3, 6, 9] 0"
 
 
+def test_a_cell_that_ships_a_large_notebook_value_says_which(notebook):
+    assert notebook.execute("blob = bytes(70 * 2**20)").status == "ok"
+    result = notebook.execute("%%shard_train --nproc 1 --pull n\nn = len(blob)")
+    assert result.status == "ok", result.traceback
+    assert "LargeJob: the job pickles to 70 MiB, mostly 'blob' (70 MiB): each rank loads its own copy" in result.stderr
+    assert notebook.execute("print(n)").stdout == f"{70 * 2**20}\n"
+
+
 def test_pull_all_gives_a_list_indexed_by_rank(notebook):
     result = notebook.execute("%%shard_train --nproc 2 --pull-all --pull square\nsquare = rank * rank + 1")
     assert result.status == "ok", result.stderr + result.traceback

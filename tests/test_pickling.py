@@ -88,3 +88,36 @@ def test_result_tensors_come_back_equal_in_every_shape_and_kind():
         assert back[name].requires_grad == tensor.requires_grad, name
         assert type(back[name]) is type(tensor), name
     back["int64"][0] = 7  # writable, with memory of its own
+
+
+def test_a_large_job_warns_naming_what_makes_it_large(monkeypatch):
+    import warnings
+
+    import nbshard
+    from nbshard.kernel import payload
+
+    monkeypatch.setattr(payload, "LARGE_JOB", 2 << 20)
+    blob = bytes(3 << 20)
+
+    def train():  # a closure travels by value, with what it reads
+        return len(blob)
+
+    def step():  # reads it through another function of the notebook's
+        return train() + 1
+
+    class Holder:
+        def __init__(self):
+            self.weights = bytes(4 << 20)
+
+    many = [float(i) for i in range(400_000)]  # sized from a sample: about 3.4 MiB pickled
+    for job, named in [
+        (nbshard.Job(step), r"'blob' \(3 MiB\)"),
+        (nbshard.Job(len, (many,)), r"args\[0\] \(3 MiB\)"),
+        (nbshard.Job(print, kwargs={"held": Holder(), "small": 1}), r"kwargs\['held'\] \(4 MiB\)"),
+    ]:
+        with pytest.warns(nbshard.LargeJob, match=f"the job pickles to \\d MiB, mostly {named}: each rank loads") as caught:
+            payload.pickled_job(job)
+        assert caught[0].filename == __file__  # the user's line, not nbshard's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        payload.pickled_job(nbshard.Job(len, (bytes(1 << 20),)))  # under the mark: silent

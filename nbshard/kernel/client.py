@@ -26,7 +26,8 @@ from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_ke
 from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.job import Job, RunDir, launch_environment
 from nbshard.leftovers import process_identity
-from nbshard.pickling import dump_job, write_sources
+from nbshard.kernel.payload import pickled_job
+from nbshard.pickling import write_sources
 from nbshard.kernel.runs import new_run_dir, prune_runs
 from nbshard.wire import Receiver, new_key
 
@@ -104,7 +105,7 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     the function's own keyword arguments as ``kwargs={...}``) or a ``Job``.
     """
     job = _as_job(target, args, options)
-    payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
+    payload = pickled_job(job)
     return JobHandle(job, *launch(job, payload))
 
 

@@ -34,7 +34,8 @@ from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.session_call import CallChannel, CallHandle
 from nbshard.kernel.plots import Plot, charts_of
 from nbshard.job import POST_MORTEM, Job, RunDir, check_seconds
-from nbshard.pickling import dump_job, write_sources
+from nbshard.kernel.payload import pickled_job
+from nbshard.pickling import write_sources
 from nbshard.kernel.telemetry import Telemetry
 
 __all__ = ["Session", "SessionBusy", "session", "sessions"]
@@ -140,7 +141,7 @@ class Session:
     def submit(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> JobHandle:
         """Start ``target(*args)`` in every rank and return its handle at once (one call at a time)."""
         job = self._call_job(target, args, options)
-        payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
+        payload = pickled_job(job)
         with self._lock:
             self._check_usable()
             if self._current is not None and not self._current.done():
