@@ -109,10 +109,16 @@ def test_a_large_job_warns_naming_what_makes_it_large(monkeypatch):
         def __init__(self):
             self.weights = bytes(4 << 20)
 
+    class Opaque:  # looking into it raises: it is not named, the others are
+        __slots__ = ()
+
+        def __getattr__(self, name):
+            raise RuntimeError(name)
+
     many = [float(i) for i in range(400_000)]  # sized from a sample: about 3.4 MiB pickled
     for job, named in [
         (nbshard.Job(step), r"'blob' \(3 MiB\)"),
-        (nbshard.Job(len, (many,)), r"args\[0\] \(3 MiB\)"),
+        (nbshard.Job(len, (many, Opaque())), r"args\[0\] \(3 MiB\)"),
         (nbshard.Job(print, kwargs={"held": Holder(), "small": 1}), r"kwargs\['held'\] \(4 MiB\)"),
     ]:
         with pytest.warns(nbshard.LargeJob, match=f"the job pickles to \\d MiB, mostly {named}: each rank loads") as caught:

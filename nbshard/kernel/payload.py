@@ -43,7 +43,7 @@ def warn_if_large(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], size: 
     largest parts: the notebook's globals the function reads, its arguments."""
     if size < LARGE_JOB:
         return
-    sized = sorted(((_estimate(value), name) for name, value in _parts(fn, args, kwargs)), reverse=True)
+    sized = sorted(((_estimate_or_none(value), name) for name, value in _parts(fn, args, kwargs)), reverse=True)
     named = [f"{name} ({_mib(estimate)})" for estimate, name in sized[:3] if estimate >= size / 10]
     warnings.warn(
         f"the job pickles to {_mib(size)}{', mostly ' + ', '.join(named) if named else ''}: each rank loads its "
@@ -97,6 +97,13 @@ def _names_read(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _names_read(const)
     return names
+
+
+def _estimate_or_none(value: Any) -> float:
+    try:
+        return _estimate(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be looked into is not named
+        return 0
 
 
 def _estimate(value: Any, depth: int = 0, seen: set[int] | None = None) -> float:
