@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nbshard.job import TORCHRUN_VARIABLES, Job, RunDir, launch_environment, rank_environment
+from nbshard.environment import TORCHRUN_VARIABLES, launch_environment, rank_environment
+from nbshard.job import Job, RunDir
 
 
 def train(x):

@@ -30,7 +30,8 @@ from nbshard.backends.channel import Channel
 from nbshard.errors import signal_name
 from nbshard.backends.warm_launcher import WarmLauncher, process_state
 from nbshard.files import open_private
-from nbshard.job import TORCHRUN_VARIABLES, RunDir, import_time_environment
+from nbshard.environment import TORCHRUN_VARIABLES, import_time_environment
+from nbshard.job import RunDir
 from nbshard.leftovers import hold_alive
 
 __all__ = ["WarmLauncher", "WarmProcess", "close_warm", "restart_warm", "start_pending_warm", "warm_launch", "warm_status"]

@@ -24,7 +24,8 @@ from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
 from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.kernel.handle import JobHandle, running_jobs
-from nbshard.job import Job, RunDir, launch_environment
+from nbshard.environment import launch_environment
+from nbshard.job import Job, RunDir
 from nbshard.leftovers import process_identity
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
