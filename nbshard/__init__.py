@@ -12,11 +12,12 @@ from nbshard.kernel.client import (
 )
 from nbshard.rank.dist import device, init_process_group
 from nbshard.errors import (
-    JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, RemoteError, SessionLost,
+    JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, SessionLost,
     script_excepthook,
 )
 from nbshard.kernel.gpus import KernelHoldsCUDA, check_kernel, hide_gpus_from_kernel
 from nbshard.kernel.payload import LargeJob
+from nbshard.kernel.remote import RemoteError
 from nbshard.job import Job
 from nbshard.rank.monitor import log_metrics
 from nbshard.kernel.persistent import Session, SessionBusy, session, sessions

@@ -10,7 +10,8 @@ import traceback
 
 import pytest
 
-from nbshard.errors import JobFailed, RankFailure, RemoteError, likely_cause, remote_exception, signal_name
+from nbshard.errors import JobFailed, RankFailure, likely_cause, signal_name
+from nbshard.kernel.remote import RemoteError, remote_exception
 
 CELL = "/tmp/ipykernel_4242/1234567.py"  # how ipykernel names cell code
 CELL_SOURCE = "def train(cfg):\n    loss = compute(cfg)\n    raise ValueError('loss is nan')\n"

@@ -19,11 +19,11 @@ from nbshard.errors import (
     JobFailed,
     JobTimedOut,
     RankFailure,
-    remote_exception,
     signal_name,
 )
 from nbshard.files import OpenedDir
 from nbshard.job import RunDir
+from nbshard.kernel.remote import remote_exception
 
 __all__ = ["collect", "read_outcome"]
 
