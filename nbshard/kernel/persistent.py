@@ -28,10 +28,10 @@ from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
 from nbshard.kernel.debugging import PostMortem
 from nbshard.kernel.display import render_html
-from nbshard.errors import JobCancelled, JobError, JobFailed, JobTimedOut, SessionLost
+from nbshard.errors import JobError, SessionLost
 from nbshard.files import mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
-from nbshard.kernel.session_call import CallChannel, CallHandle
+from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
 from nbshard.kernel.plots import Plot, charts_of
 from nbshard.job import POST_MORTEM, Job, RunDir, check_seconds
 from nbshard.kernel.payload import pickled_job
@@ -261,42 +261,17 @@ class Session:
     def _call_error(self, outcome: RunOutcome | None, error: JobError | None, where: str) -> JobError | None:
         """The call's exception as a session sees it; marks the session diverged or lost."""
         status = outcome.status if outcome else Status.LOST
-        failures = error.failures if error is not None else ()
-        cause = error.__cause__ if error is not None else None
-        new: JobError | None
         if status is Status.SUCCEEDED:
             return error  # None, or a result the kernel could not load
-        if status is Status.FAILED and outcome.unsent and {f.rank for f in failures} <= set(outcome.unsent):  # type: ignore[union-attr]
-            ranks = outcome.unsent  # type: ignore[union-attr]
-            new = JobFailed(
-                f"The call ran to its end in every rank, but the value of rank{'s' * (len(ranks) > 1)} "
-                f"{', '.join(map(str, ranks))} could not be sent back; session {self.name!r} lives on and holds "
-                "what the call did (keep the value in the session with 'global', and return what can travel).",
-                failures, where,
-            )
-        elif status is Status.FAILED and not outcome.diverged:  # type: ignore[union-attr]
-            new = JobFailed(f"The call failed in every rank that ran it; session {self.name!r} lives on.", failures, where)
-        elif status is Status.FAILED:
-            self.state = "diverged"
-            returned = [f.rank for f in outcome.ranks if f.ok]  # type: ignore[union-attr]
-            new = JobFailed(
-                f"The call failed on rank {failures[0].rank if failures else '?'} but returned on rank"
-                f"{'s' * (len(returned) > 1)} {', '.join(map(str, returned))}: the ranks' states have diverged "
-                f"(a model stepped on some ranks only). Session {self.name!r} lives on, but "
-                "session.restart() is advised before you rely on it.",
-                failures, where,
-            )
-        elif status is Status.INTERRUPTED:
-            new = JobCancelled(f"The call was interrupted; every rank left it, and session {self.name!r} lives on.", failures, where)
-        elif status is Status.TIMED_OUT:
-            new = JobTimedOut(
-                f"The call ran past its timeout of {self._current.job.timeout if self._current else '?'} s and was "
-                f"interrupted; every rank left it, and session {self.name!r} lives on.", failures, where,
-            )
+        failures = error.failures if error is not None else ()
+        new: JobError
+        if outcome is not None and status in (Status.FAILED, Status.INTERRUPTED, Status.TIMED_OUT):
+            new = call_failure(self.name, outcome, failures, where, self._current.job.timeout if self._current else None)
+            if status is Status.FAILED and outcome.diverged:
+                self.state = "diverged"
         else:
-            reason = (outcome.reason if outcome else None) or self._launcher_reason() or "its launcher ended"
-            new = self._lose(reason, failures, where)
-        new.__cause__ = cause
+            new = self._lose((outcome.reason if outcome else None) or self._launcher_reason() or "its launcher ended", failures, where)
+        new.__cause__ = error.__cause__ if error is not None else None
         return new
 
     def _lose(self, reason: str, failures: Any = (), where: str = "") -> SessionLost:

@@ -1,25 +1,26 @@
 """One call of a persistent session, as the kernel holds it: a ``JobHandle`` (``CallHandle``)
-whose launcher is the session's (``CallChannel``). The session's one thread hands each call its
-messages and ends it; ``nbshard.kernel.persistent`` owns the session."""
+whose launcher is the session's (``CallChannel``), and how a call that did not return is told
+(``call_failure``). The session's one thread hands each call its messages and ends it;
+``nbshard.kernel.persistent`` owns the session."""
 
 from __future__ import annotations
 
 import base64
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from nbshard.contracts import RunOutcome
-from nbshard.errors import JobError, JobInterrupted, SessionLost
+from nbshard.contracts import RunOutcome, Status
+from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, SessionLost
 from nbshard.files import OpenedDir
 from nbshard.job import CANCEL, KILL, Job, RunDir
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.outcome import remove_results
 from nbshard.kernel.telemetry import read_metrics_files
 
-__all__ = ["CallChannel", "CallHandle", "CallsSession"]
+__all__ = ["CallChannel", "CallHandle", "CallsSession", "call_failure"]
 
 
 class CallsSession(Protocol):
@@ -131,3 +132,32 @@ class CallHandle(JobHandle):
         if isinstance(self._exception, SessionLost):
             return self._exception
         return JobInterrupted(self.job.label, self._exception, then=f"every rank left it: session {self._session.name!r} lives on")
+
+
+def call_failure(session: str, outcome: RunOutcome, failures: Sequence[RankFailure], where: str, timeout: float | None) -> JobError:
+    """A call that failed, was interrupted or ran past its timeout, as its session says it: the
+    session lives on, its ranks' states alike unless ``outcome.diverged``."""
+    if outcome.status is Status.INTERRUPTED:
+        return JobCancelled(f"The call was interrupted; every rank left it, and session {session!r} lives on.", failures, where)
+    if outcome.status is Status.TIMED_OUT:
+        return JobTimedOut(
+            f"The call ran past its timeout of {timeout if timeout is not None else '?'} s and was interrupted; every "
+            f"rank left it, and session {session!r} lives on.", failures, where,
+        )
+    if outcome.unsent and {f.rank for f in failures} <= set(outcome.unsent):
+        return JobFailed(
+            f"The call ran to its end in every rank, but the value of rank{'s' * (len(outcome.unsent) > 1)} "
+            f"{', '.join(map(str, outcome.unsent))} could not be sent back; session {session!r} lives on and holds "
+            "what the call did (keep the value in the session with 'global', and return what can travel).",
+            failures, where,
+        )
+    if not outcome.diverged:
+        return JobFailed(f"The call failed in every rank that ran it; session {session!r} lives on.", failures, where)
+    returned = [f.rank for f in outcome.ranks if f.ok]
+    return JobFailed(
+        f"The call failed on rank {failures[0].rank if failures else '?'} but returned on rank"
+        f"{'s' * (len(returned) > 1)} {', '.join(map(str, returned))}: the ranks' states have diverged "
+        f"(a model stepped on some ranks only). Session {session!r} lives on, but "
+        "session.restart() is advised before you rely on it.",
+        failures, where,
+    )
