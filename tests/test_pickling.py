@@ -90,6 +90,13 @@ def test_result_tensors_come_back_equal_in_every_shape_and_kind():
     back["int64"][0] = 7  # writable, with memory of its own
 
 
+MODULE_TABLE = bytes(8 << 20)  # read by a function that travels by reference, so it is not sent
+
+
+def reads_the_module_table(data: bytes) -> int:
+    return len(MODULE_TABLE) + len(data)
+
+
 def test_a_large_job_warns_naming_what_makes_it_large(monkeypatch):
     import warnings
 
@@ -120,6 +127,7 @@ def test_a_large_job_warns_naming_what_makes_it_large(monkeypatch):
         (nbshard.Job(step), r"'blob' \(3 MiB\)"),
         (nbshard.Job(len, (many, Opaque())), r"args\[0\] \(3 MiB\)"),
         (nbshard.Job(print, kwargs={"held": Holder(), "small": 1}), r"kwargs\['held'\] \(4 MiB\)"),
+        (nbshard.Job(reads_the_module_table, (blob,)), r"args\[0\] \(3 MiB\)"),  # not MODULE_TABLE
     ]:
         with pytest.warns(nbshard.LargeJob, match=f"the job pickles to \\d MiB, mostly {named}: each rank loads") as caught:
             payload.pickled_job(job)

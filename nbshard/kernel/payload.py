@@ -34,16 +34,18 @@ class LargeJob(UserWarning):
 def pickled_job(job: Job) -> bytes:
     """``job`` pickled for its ranks; a ``LargeJob`` warning where that makes it large."""
     payload = dump_job(job.fn, job.args, dict(job.kwargs), tuple(job.pickle_by_value))
-    warn_if_large(job.fn, job.args, dict(job.kwargs), len(payload))
+    warn_if_large(job.fn, job.args, dict(job.kwargs), len(payload), tuple(job.pickle_by_value))
     return payload
 
 
-def warn_if_large(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], size: int) -> None:
+def warn_if_large(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], size: int, by_value: tuple[Any, ...] = ()) -> None:
     """Warn (``LargeJob``) where the pickled job takes ``size`` >= ``LARGE_JOB`` bytes, naming its
-    largest parts: the notebook's globals the function reads, its arguments."""
+    largest parts: the notebook's globals the function reads, its arguments (``by_value``: the
+    modules whose functions were pickled with their globals besides the notebook's)."""
     if size < LARGE_JOB:
         return
-    sized = sorted(((_estimate_or_none(value), name) for name, value in _parts(fn, args, kwargs)), reverse=True)
+    parts = _parts(fn, args, kwargs, by_value)
+    sized = sorted(((_estimate_or_none(value), name) for name, value in parts), reverse=True)
     named = [f"{name} ({_mib(estimate)})" for estimate, name in sized[:3] if estimate >= size / 10]
     warnings.warn(
         f"the job pickles to {_mib(size)}{', mostly ' + ', '.join(named) if named else ''}: each rank loads its "
@@ -58,7 +60,7 @@ def _mib(size: float) -> str:
     return f"{size / 2**20:,.0f} MiB"
 
 
-def _parts(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+def _parts(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], by_value: tuple[Any, ...]) -> list[tuple[str, Any]]:
     """What the pickle carries, by the name the notebook knows it by."""
     if fn is run_cell:  # a %%shard_train cell: the notebook's values it reads, by name
         return [(repr(name), value) for name, value in kwargs["values"].items()]
@@ -66,7 +68,7 @@ def _parts(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple
     if not isinstance(fn, types.FunctionType):
         return [("the function", fn), *parts]
     seen: set[int] = set()
-    pending = [fn]
+    pending = [fn] if _travels_by_value(fn, by_value) else []
     while pending:  # the function, and the notebook's functions it reads, each by value
         function = pending.pop()
         if id(function) in seen:
@@ -76,11 +78,24 @@ def _parts(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple
         named = [(name, cell.cell_contents) for name, cell in cells if _filled(cell)]
         named += [(name, function.__globals__[name]) for name in _names_read(function.__code__) if name in function.__globals__]
         for name, value in named:
-            if isinstance(value, types.FunctionType) and value.__module__ == fn.__module__:
-                pending.append(value)
+            if isinstance(value, types.FunctionType):
+                if _travels_by_value(value, by_value):
+                    pending.append(value)
             elif not isinstance(value, (types.ModuleType, type)):
                 parts.append((repr(name), value))
     return parts
+
+
+def _travels_by_value(function: types.FunctionType, by_value: tuple[Any, ...]) -> bool:
+    """cloudpickle's rule: a function its module cannot give back by name (the notebook's, a
+    closure, a lambda) or one of a module pickled by value travels with the globals it reads."""
+    module = sys.modules.get(function.__module__ or "")
+    if module is None or module.__name__ == "__main__" or module in by_value:
+        return True
+    found: Any = module
+    for part in function.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is not function
 
 
 def _filled(cell: Any) -> bool:
