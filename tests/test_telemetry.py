@@ -254,3 +254,22 @@ def test_the_kernel_keeps_a_bounded_number_of_live_records():
         telemetry.add({"kind": "metrics", "rank": 0, "time": float(step), "step": step, "values": {"loss": 1.0}})
     kept = telemetry.metrics()
     assert len(kept) == KEPT and kept[-1]["step"] == KEPT + 499  # the newest
+
+
+def test_a_memory_line_of_many_ranks_gives_their_range_and_the_rank_that_holds_most():
+    from types import SimpleNamespace
+
+    from nbshard.kernel.watching import RANKS_LISTED, memory_text
+
+    def sample(rank, anon):
+        return {"kind": "sample", "rank": rank, "time": 1.0, "rss": anon, "peak_rss": anon, "anon": anon, "peak_anon": anon}
+
+    for nproc in (RANKS_LISTED, 32):
+        telemetry = Telemetry(nproc)
+        for rank in range(nproc):
+            telemetry.add(sample(rank, (100 + (rank == 17) * 50 + rank % 3) * MIB))
+        line = memory_text(SimpleNamespace(_telemetry=telemetry), peak=True)
+        if nproc == RANKS_LISTED:
+            assert line.count("rank ") == nproc and line.startswith("peak memory: rank 0 CPU anon 100.0 MiB, rank 1")
+        else:
+            assert line == "peak memory: 32 ranks CPU anon 100.0 MiB to 152.0 MiB (most: rank 17)"

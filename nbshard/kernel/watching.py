@@ -30,6 +30,7 @@ LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far m
 # cell (never from the log) and the cell says how many. A terminal takes all, woken as lines arrive.
 LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
 MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
+RANKS_LISTED = 8  # ranks named one by one in a memory line; more are summed up as a range
 LIVE_CHART_SIZE = (300, 160)  # pixels of each chart in a live view (handle.plot() draws them larger)
 
 
@@ -161,12 +162,23 @@ def render_view(handle: Watched, tail: TailView | None = None) -> tuple[str, str
 
 
 def memory_text(handle: Watched, peak: bool) -> str | None:
-    """One line of each rank's memory (now, or its peak), or None before any sample."""
+    """One line of each rank's memory (now, or its peak), or None before any sample; past
+    ``RANKS_LISTED`` ranks, the range over them per kind of memory, and the rank that holds most."""
     views = [v for v in handle._telemetry.views() if v.device]
     if not views:
         return None
     label = "peak memory" if peak else "memory"
-    return f"{label}: " + ", ".join(f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views)
+    if len(views) <= RANKS_LISTED:
+        return f"{label}: " + ", ".join(f"rank {v.rank} {v.device} {human_bytes(v.peak if peak else v.current)}" for v in views)
+    by_device: dict[str, list[Any]] = {}
+    for view in views:
+        by_device.setdefault(view.device, []).append(view)
+    parts = []
+    for device, group in by_device.items():
+        amounts = {v.rank: (v.peak if peak else v.current) or 0.0 for v in group}
+        most = max(amounts, key=amounts.__getitem__)
+        parts.append(f"{len(group)} ranks {device} {human_bytes(min(amounts.values()))} to {human_bytes(amounts[most])} (most: rank {most})")
+    return f"{label}: " + ", ".join(parts)
 
 
 def _live_charts(handle: Watched) -> str:
