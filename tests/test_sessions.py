@@ -169,6 +169,14 @@ def test_a_rank_killed_between_calls_is_named_by_the_next_call(session):
     assert session.state == "running" and len(set(session.run(jobs.pid, return_all=True)) - set(pids)) == 2
 
 
+def test_a_launcher_killed_from_outside_loses_the_session_saying_so(session):
+    session.run(jobs.pid)
+    os.kill(session.pid, signal.SIGKILL)
+    assert not wait_until_gone(session.run_dir, within=5.0)  # its ranks go with it
+    with pytest.raises(nbshard.SessionLost, match="its launcher was killed by SIGKILL \\(likely out of memory.*launcher.log"):
+        session.run(jobs.pid)
+
+
 def refuse_call(session, number: str, inline: str = "") -> str:
     """Send the launcher a call numbered ``number`` whose job does not hash to its digest; the
     message of rank 0's error, once the launcher ended the call as failed."""
@@ -215,7 +223,11 @@ def test_small_values_come_back_in_the_ranks_answers_large_ones_as_files(session
     mixed = session.submit(jobs.bytes_by_rank, [100, large], return_all=True)
     assert mixed.result() == [b"x" * 100, b"x" * large]
     assert set(mixed._values_sent()) == {0}
-    assert not list(mixed.run_dir.glob("result-*.pkl"))  # the file read is gone once the caller has it
+    # The file read is removed once the caller has been woken with its value: soon after.
+    deadline = time.monotonic() + 2.0
+    while list(mixed.run_dir.glob("result-*.pkl")):
+        assert time.monotonic() < deadline, "the result file read was not removed"
+        time.sleep(0.01)
 
 
 def test_values_too_large_for_the_kernels_channel_come_as_files_the_launcher_writes():

@@ -28,7 +28,7 @@ from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
 from nbshard.kernel.debugging import PostMortem
 from nbshard.kernel.display import render_html
-from nbshard.errors import JobError, SessionLost
+from nbshard.errors import JobError, SessionLost, likely_cause, signal_name
 from nbshard.files import mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
@@ -285,8 +285,15 @@ class Session:
         return self.lost
 
     def _launcher_reason(self) -> str | None:
+        """Why the launcher ended: its own word (the outcome's reason), else how it exited."""
         outcome = RunOutcome.read(self._paths.outcome)
-        return outcome.reason if outcome else None
+        if outcome is not None and outcome.reason:
+            return outcome.reason
+        code = self._launcher.poll()
+        if code is None or outcome is not None:  # still up, or it ended as it meant to
+            return None
+        how = f"was killed by {signal_name(-code)} ({likely_cause(signal_name(-code))})" if code < 0 else f"exited with code {code}"
+        return f"its launcher {how} before it could stop the ranks itself; its own log is {self._paths.launcher_log}"
 
     # -- the session's thread ---------------------------------------------------
 
