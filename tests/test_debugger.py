@@ -150,6 +150,14 @@ def test_session_breakpoint_and_post_mortem(kernel) -> None:
     assert "where the other ranks are" not in shown  # a post-mortem holds nobody up
     after = kernel.execute("%%shard_train --session dbg\nprint('ready', rank)")
     assert after.status == "ok" and "[rank1]: ready 1" in after.stdout, after.stdout + after.traceback
+
+    # Where the frontend takes no input, the post-mortem says so and leaves pdb: the session is ready.
+    assert kernel.execute("%%shard_train --session dbg\nscale(weights, rank - 1)").error is not None
+    unanswered = kernel.execute("%shard_debug --session dbg")
+    assert unanswered.status == "ok", unanswered.traceback
+    assert "rank 1 kept its error for a post-mortem, but nobody can answer pdb here" in unanswered.stdout, unanswered.stdout
+    again = kernel.execute("%%shard_train --session dbg\nprint('ready again', rank)")
+    assert again.status == "ok" and "[rank0]: ready again 0" in again.stdout, again.stdout + again.traceback
     kernel.execute("nbshard.session('dbg').close()")
 
 

@@ -33,8 +33,14 @@ class RankDebugger:
     """The prompts of ranks paused in pdb, oldest first: the handle's thread adds them as they
     arrive; ``answer`` (the thread that waits for the job) asks the person."""
 
-    def __init__(self, send: Callable[[bytes, bool], None]) -> None:
+    # What the person is told where nobody can answer here (a breakpoint's; a post-mortem's differs).
+    UNANSWERED = ("stopped at a breakpoint, but nobody can answer here ({error}): its ranks go on and pass over "
+                  "later breakpoints. Run the cell in Jupyter or a terminal to debug, or set PYTHONBREAKPOINT=0 "
+                  "in env= to skip breakpoints.")
+
+    def __init__(self, send: Callable[[bytes, bool], None], unanswered: str = UNANSWERED) -> None:
         self._send = send  # (the launcher's command, whether the job or call stops with it)
+        self._unanswered = unanswered
         self._write: Callable[[str], None] | None = None  # where the prompt now asked was shown
         self._prompts: collections.deque[dict[str, Any]] = collections.deque()
         self._lock = threading.Lock()
@@ -90,11 +96,7 @@ class RankDebugger:
         except (EOFError, OSError, NotImplementedError) as error:  # no stdin here (nbconvert, a captured one)
             self.detached = True
             self._send(answer_line(rank, {"seq": seq, "detach": True}), False)
-            write(
-                f"[nbshard] rank {rank} stopped at a breakpoint, but nobody can answer here ({type(error).__name__}: "
-                f"{error}): its ranks go on and pass over later breakpoints. Run the cell in Jupyter or a terminal "
-                "to debug, or set PYTHONBREAKPOINT=0 in env= to skip breakpoints.\n"
-            )
+            write(f"[nbshard] rank {rank} " + self._unanswered.format(error=f"{type(error).__name__}: {error}") + "\n")
             return None
         finally:
             self.asking = None
@@ -130,7 +132,11 @@ class PostMortem:
     def __init__(self, rank: int, send: Callable[[bytes], None]) -> None:
         self.rank = rank
         self._send = send
-        self.debugger = RankDebugger(lambda command, stop: send(command))  # a quit only leaves pdb
+        self.debugger = RankDebugger(  # a quit only leaves pdb
+            lambda command, stop: send(command),
+            unanswered="kept its error for a post-mortem, but nobody can answer pdb here ({error}): it left pdb, "
+                       "and the session is ready. Call session.debug() (or %shard_debug) in Jupyter or a terminal.",
+        )
         self.ended = threading.Event()
         self.found: bool | None = None  # whether the rank kept a failed call's error
 
