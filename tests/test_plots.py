@@ -54,6 +54,22 @@ def test_a_jobs_plot_draws_each_ranks_memory_and_every_metric_series():
     assert "rank 0" in loss_svg and "rank 1" in loss_svg and ">loss<" in loss_svg
 
 
+def test_a_quick_jobs_seconds_count_from_its_submission_so_none_is_negative(monkeypatch):
+    # A job may run whole before its launch returns (seen while the warm process still imports):
+    # here the launch returns 1 s late. Its records still come after the time its charts count from.
+    import time
+
+    from nbshard.kernel import client
+
+    launch = client.launch
+    monkeypatch.setattr(client, "launch", lambda *args, **kwargs: (launch(*args, **kwargs), time.sleep(1.0))[0])
+    handle = nbshard.submit(train, 1, False, nproc=2, sample_interval=0.05)
+    handle.result()
+    times = [record["time"] for record in handle.memory() + handle.metrics()]
+    assert times and min(times) >= handle.started, (min(times) - handle.started, handle.started)
+    assert all(x >= 0 for chart in handle.plot().charts for points in chart.series.values() for x, *_ in points)
+
+
 def test_metrics_without_steps_go_over_seconds_and_a_gpu_gets_its_own_memory_chart():
     started = 100.0
     memory = [

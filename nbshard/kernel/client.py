@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -105,9 +106,10 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     ``target`` is a function (options as keywords: ``nproc=2, timeout=600``,
     the function's own keyword arguments as ``kwargs={...}``) or a ``Job``.
     """
+    started = time.time()
     job = _as_job(target, args, options)
     payload = pickled_job(job)
-    return JobHandle(job, *launch(job, payload))
+    return JobHandle(job, *launch(job, payload), started=started)
 
 
 def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:

@@ -59,19 +59,20 @@ class JobHandle:
 
     def __init__(
         self, job: Job, world_size: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
-        samples: Iterable[dict[str, Any]] = (), drain: bool = True,
+        samples: Iterable[dict[str, Any]] = (), drain: bool = True, started: float | None = None,
     ) -> None:
         """``samples``: memory samples known before the job's own (a session's ranks hold memory
         already), shown from the start. ``drain``: a thread of the handle's own reads ``receiver``;
         without it, the owner hands each message to ``_on_message`` and calls ``_finish`` (a
-        session's one thread does, for call after call)."""
+        session's one thread does, for call after call). ``started``: when the job was submitted
+        (before its launch, during which a quick job may run whole), now by default."""
         self.job = job
         self.world_size = world_size
         """Ranks on all nodes (``job.nproc`` is ranks on each node)."""
         self.run_dir = run_dir.path
         self.status = "running"
         self._stage = LaunchStage(world_size, warm=isinstance(launcher, WarmLauncher))
-        self.started = time.time()
+        self.started = started if started is not None else time.time()
         self.ended: float | None = None
         self._paths = run_dir
         self._identity = identity(run_dir.path)  # read back only from this very directory
