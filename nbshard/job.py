@@ -199,7 +199,7 @@ def _validate(job: Job) -> None:
 
 # The files a run directory holds for each rank (named by its global rank), which a node's
 # directory hands to the run's when a multi-node run ends.
-RANK_FILES = ("rank-", "result-", "error-", "stacks-", "metrics-", "torchelastic-error-")
+RANK_FILES = ("rank-", "result-", "error-", "stacks-", "metrics-", "sample-", "torchelastic-error-")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +241,10 @@ class RunDir:
     def metrics(self, rank: int) -> Path:
         """Every ``log_metrics`` record of a rank, one JSON object a line (the wire may drop some)."""
         return self.path / f"metrics-{rank}.jsonl"
+
+    def last_sample(self, rank: int) -> Path:
+        """A rank's last memory sample (its peaks), which the wire may drop behind a flood."""
+        return self.path / f"sample-{rank}.json"
 
     def result(self, rank: int) -> Path:
         return self.path / f"result-{rank}.pkl"

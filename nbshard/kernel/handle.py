@@ -361,6 +361,11 @@ class JobHandle:
                 if self._launcher.poll() is not None:
                     exited_at = exited_at or now
                     if end_seen or now - exited_at > END_MESSAGE_WAIT:
+                        # The ranks flushed their sockets before they exited, but the launcher's end
+                        # can be read ahead of their last messages (a rank's final sample, its peaks).
+                        while messages := self._receiver.receive(0):
+                            for message in messages:
+                                self._on_message(message)
                         break
                 elif now > self._kill_at:
                     self._launcher.kill()
@@ -370,6 +375,18 @@ class JobHandle:
             self._finish()
 
     _results_removed_later = False  # a session's call removes its result files after waking its caller
+    _last_samples_in_files = True  # a session's ranks answer each call with their sample instead
+
+    def _add_last_samples(self, files: OpenedDir) -> None:
+        """Each rank's last sample (its peaks at the end) from its file, where the wire dropped it."""
+        for rank in range(self.world_size):
+            path = self._paths.last_sample(rank)
+            if not files.exists(path):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                sample = files.read_json(path)
+                if isinstance(sample, dict) and isinstance(sample.get("time"), (int, float)) and sample["time"] > self._telemetry.last_time(rank):
+                    self._telemetry.add(sample)
 
     def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         """The job's value or its exception, from its run directory."""
@@ -392,6 +409,8 @@ class JobHandle:
                 outcome = self._read_outcome(files)  # read once: for the drop tally and the result
                 self._note_unreported_drops(outcome)
                 self.attempts = list(outcome.attempts) if outcome else []
+                if self._last_samples_in_files:
+                    self._add_last_samples(files)
                 self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))

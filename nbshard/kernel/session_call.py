@@ -93,6 +93,7 @@ class CallHandle(JobHandle):
         self._stage.all_running()  # in ranks that are up already
 
     _results_removed_later = True
+    _last_samples_in_files = False
 
     def _end(self, outcome: dict[str, Any] | None = None, values: dict[str, str] | None = None) -> None:
         """The call ended (``outcome`` and the ranks' small ``values``: as the launcher's end

@@ -102,6 +102,12 @@ class Telemetry:
                     self._last_metrics[rank]["step"] = message["step"]
         return True
 
+    def last_time(self, rank: int) -> float:
+        """When the newest sample of ``rank`` was taken (-inf before any)."""
+        with self._lock:
+            latest = self._latest.get(rank)
+            return latest["time"] if latest else float("-inf")
+
     def last_line(self, rank: int, text: str) -> None:
         self._last_line[rank] = text
 

@@ -65,7 +65,8 @@ def _use_kernel_path(kernel_path: list[str]) -> None:
 
 def _start_monitor(run_dir: RunDir, rank: int, launch: LaunchSpec) -> None:
     try:
-        monitor.start(launch.address, run_dir.key.read_bytes(), rank, launch.sample_interval, str(run_dir.metrics(rank)))
+        monitor.start(launch.address, run_dir.key.read_bytes(), rank, launch.sample_interval, str(run_dir.metrics(rank)),
+                      str(run_dir.last_sample(rank)))
     except Exception as error:  # noqa: BLE001 - telemetry must never fail a job
         print(f"nbshard: memory sampling is off in rank {rank}: {error!r}", file=sys.stderr)
 

@@ -16,9 +16,10 @@ import resource
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from nbshard.files import open_private
+from nbshard.files import open_private, write_json
 from nbshard.wire import Sender
 
 __all__ = ["Monitor", "count_proportional_memory", "log_metrics", "sample_memory", "send_stage", "take_sample"]
@@ -229,8 +230,12 @@ def sample_memory() -> dict[str, Any]:
 class Monitor:
     """One per rank: sends a memory sample every ``interval`` seconds, and user metrics."""
 
-    def __init__(self, address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None) -> None:
+    def __init__(
+        self, address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None,
+        last_sample_path: str | None = None,
+    ) -> None:
         self.rank = rank
+        self._last_sample_path = last_sample_path  # the last sample goes there too: the wire may drop it
         self._sender = Sender(address, key, linger_ms=LINGER_MS)
         # Every metric also goes to a file in the run directory: the wire may drop under load, the file never.
         # Line-buffered: a session's rank keeps the file open across calls, and a call's records
@@ -244,12 +249,13 @@ class Monitor:
             self._thread = threading.Thread(target=self._sample_until_stopped, name="nbshard-monitor", daemon=True)
             self._thread.start()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any], wait: float = 0.0) -> None:
+        """``message`` on the wire (``wait``: seconds it may wait for room in a full queue)."""
         message.update(rank=self.rank, time=time.time())
         with self._lock:
             if self._metrics_file is not None and message["kind"] == "metrics":
                 self._metrics_file.write(json.dumps(message, separators=(",", ":")) + "\n")
-            self._sender.send(message)
+            self._sender.send(message, wait)
 
     def sample(self) -> dict[str, Any] | None:
         """A sample message, or None when sampling failed (a gap in a plot, never an error)."""
@@ -258,10 +264,11 @@ class Monitor:
         except Exception:  # noqa: BLE001 - telemetry must never fail the job
             return None
 
-    def send_sample(self) -> None:
+    def send_sample(self, wait: float = 0.0) -> dict[str, Any] | None:
         if (message := self.sample()) is not None:
             with contextlib.suppress(Exception):  # a lost sample is a gap in a plot; the thread goes on
-                self.send(message)
+                self.send(message, wait)
+        return message
 
     def _sample_until_stopped(self) -> None:
         self.send_sample()
@@ -269,20 +276,27 @@ class Monitor:
             self.send_sample()
 
     def close(self) -> None:
-        """Send a last sample (the peaks at the end), then flush for at most LINGER_MS."""
+        """Send a last sample (the peaks at the end), then flush for at most LINGER_MS. Behind a
+        flood of metrics the wire may still drop it, so it is written to a file as well."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-            self.send_sample()
+            last = self.send_sample(wait=LINGER_MS / 1000)
+            if last is not None and self._last_sample_path:
+                with contextlib.suppress(OSError):  # a full disk: the wire's samples are what there is
+                    write_json(Path(self._last_sample_path), last)
         with self._lock:
             if self._metrics_file is not None:
                 self._metrics_file.close()
             self._sender.close()
 
 
-def start(address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None) -> Monitor:
+def start(
+    address: str, key: bytes, rank: int, interval: float | None, metrics_path: str | None = None,
+    last_sample_path: str | None = None,
+) -> Monitor:
     global _active
-    _active = Monitor(address, key, rank, interval, metrics_path)
+    _active = Monitor(address, key, rank, interval, metrics_path, last_sample_path)
     return _active
 
 
