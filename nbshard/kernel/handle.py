@@ -363,7 +363,8 @@ class JobHandle:
                     if end_seen or now - exited_at > END_MESSAGE_WAIT:
                         # The ranks flushed their sockets before they exited, but the launcher's end
                         # can be read ahead of their last messages (a rank's final sample, its peaks).
-                        while messages := self._receiver.receive(0):
+                        until = time.monotonic() + END_MESSAGE_WAIT
+                        while time.monotonic() < until and (messages := self._receiver.receive(0)):
                             for message in messages:
                                 self._on_message(message)
                         break
