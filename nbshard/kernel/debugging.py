@@ -96,7 +96,8 @@ class RankDebugger:
         except (EOFError, OSError, NotImplementedError) as error:  # no stdin here (nbconvert, a captured one)
             self.detached = True
             self._send(answer_line(rank, {"seq": seq, "detach": True}), False)
-            write(f"[nbshard] rank {rank} " + self._unanswered.format(error=f"{type(error).__name__}: {error}") + "\n")
+            after_prompt = "\n" if isinstance(error, EOFError) else ""  # input() wrote the prompt, then met the end
+            write(f"{after_prompt}[nbshard] rank {rank} " + self._unanswered.format(error=f"{type(error).__name__}: {error}") + "\n")
             return None
         finally:
             self.asking = None
