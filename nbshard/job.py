@@ -28,6 +28,7 @@ __all__ = [
     "STACK_DUMP_WAIT",
     "Job",
     "check_count",
+    "check_ranks_exist",
     "check_seconds",
     "RunDir",
 ]
@@ -111,6 +112,7 @@ class Job:
         return self.name or getattr(self.fn, "__qualname__", None) or repr(self.fn)
 
 
+MAX_VARIABLE_BYTES = 128 * 1024  # Linux's MAX_ARG_STRLEN: one NAME=value string, with its NUL, is below it
 MAX_SECONDS = 1e9  # about 31 years; also below what Python's waits take (threading.TIMEOUT_MAX)
 
 
@@ -133,6 +135,17 @@ def check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
+def check_ranks_exist(job: Job, world_size: int) -> None:
+    """``ValueError`` where ``show_ranks`` or ``debug_ranks`` name a rank the job does not have."""
+    for field, ranks in (("show_ranks", job.show_ranks), ("debug_ranks", job.debug_ranks)):
+        beyond = sorted({rank for rank in ranks or () if rank >= world_size})
+        if beyond:
+            raise ValueError(
+                f"{field} names rank{'s' * (len(beyond) > 1)} {', '.join(map(str, beyond))}, but the job has "
+                f"{world_size} rank{'s' * (world_size > 1)} (0 to {world_size - 1}); list ranks below {world_size}"
+            )
+
+
 def _validate(job: Job) -> None:
     if not callable(job.fn):
         raise TypeError(f"Job.fn must be callable, got {type(job.fn).__name__}: {job.fn!r}")
@@ -140,6 +153,8 @@ def _validate(job: Job) -> None:
         raise TypeError(f"Job.args must be a tuple, got {type(job.args).__name__}")
     if not isinstance(job.kwargs, Mapping):
         raise TypeError(f"Job.kwargs must be a mapping, got {type(job.kwargs).__name__}")
+    if not all(isinstance(name, str) for name in job.kwargs):
+        raise TypeError(f"Job.kwargs must map argument names (str) to values, got the key {next(k for k in job.kwargs if not isinstance(k, str))!r}")
     if job.nproc is not None and (
         isinstance(job.nproc, bool) or not isinstance(job.nproc, int) or job.nproc < 1
     ):
@@ -168,6 +183,12 @@ def _validate(job: Job) -> None:
             )
         if "\0" in value:
             raise ValueError(f"env[{key!r}] holds a NUL character, which no environment variable can hold; remove it")
+        if len(f"{key}={value}".encode(errors="surrogateescape")) >= MAX_VARIABLE_BYTES:
+            raise ValueError(
+                f"env[{key!r}] takes {len(value.encode(errors='surrogateescape')) / 1024:,.0f} KiB, and Linux starts no process "
+                f"with a variable of {MAX_VARIABLE_BYTES // 1024} KiB or more (MAX_ARG_STRLEN). Pass large data to the "
+                "function as an argument, or write it to a file and pass its path."
+            )
         if key in TORCHRUN_VARIABLES or key == "CUDA_VISIBLE_DEVICES":
             option = "gpus=" if key == "CUDA_VISIBLE_DEVICES" else "nproc= / master_port="
             raise ValueError(f"env sets {key}, which nbshard sets for each rank; use {option} instead")
@@ -184,6 +205,8 @@ def _validate(job: Job) -> None:
             isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
         )):
             raise ValueError(f"{field} must list rank numbers, e.g. [0]; got {ranks!r}")
+    if job.nproc is not None:
+        check_ranks_exist(job, job.nproc * job.nnodes)
     if not all(isinstance(module, types.ModuleType) for module in job.pickle_by_value):
         raise TypeError(
             f"pickle_by_value must list imported modules (import mymodule; pickle_by_value=[mymodule]), "

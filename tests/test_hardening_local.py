@@ -251,9 +251,23 @@ def test_a_new_kernel_sweeps_what_a_dead_one_left_in_the_temp_directory(script):
     ({"A=B": "x"}, "holds the variable name 'A=B'"),
     ({"A\0B": "x"}, "holds the variable name"),
     ({"GOOD": "a\0b"}, "holds a NUL character"),
+    ({"BIG": "y" * (128 << 10)}, "takes 128 KiB, and Linux starts no process with a variable of 128 KiB or more"),
 ])
 def test_an_environment_no_process_can_have_is_refused_at_submit(env, says, runs_dir):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        nbshard.submit(programs.rank_and_value, 1, nproc=1, env=env)
+    assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
+def test_ranks_to_show_or_debug_that_the_default_nproc_lacks_are_refused_before_anything_starts(runs_dir):
+    with pytest.raises(ValueError, match="show_ranks names rank 64, but the job has \\d+ ranks? \\(0 to"):
+        nbshard.submit(programs.rank_and_value, 1, show_ranks=[64])  # nproc defaults to the GPUs, or 1
+    assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
+def test_an_environment_too_large_in_all_says_so_and_leaves_no_run(runs_dir):
+    env = {f"PART{i}": "z" * (120 << 10) for i in range(40)}  # each allowed, 4.7 MiB together
+    with pytest.raises(OSError, match="could not start the launcher: Argument list too long. The environment"):
         nbshard.submit(programs.rank_and_value, 1, nproc=1, env=env)
     assert not runs_dir.exists() or not list(runs_dir.iterdir())
 

@@ -154,6 +154,7 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train --bogus\npass", "unrecognized arguments: --bogus"),
         ("%%shard_train --env NOEQUALS\npass", "--env takes KEY=VALUE"),
         ("%%shard_train --show-ranks first\npass", "--show-ranks takes rank numbers"),
+        ("%%shard_train --nproc 2 --show-ranks 0,2\npass", "show_ranks names rank 2, but the job has 2 ranks (0 to 1)"),
         ("%%shard_train\n!nvidia-smi", "uses IPython syntax: '!nvidia-smi'"),
         ("%%shard_train\n%time x = 1", "uses IPython syntax: '%time x = 1'"),
         ("%%shard_train\ndef broken(:\n    pass", "syntax error in cell line 2"),

@@ -26,7 +26,7 @@ from nbshard.files import write_atomic
 from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.environment import launch_environment
-from nbshard.job import Job, RunDir
+from nbshard.job import Job, RunDir, check_ranks_exist
 from nbshard.leftovers import process_identity
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
@@ -134,6 +134,7 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
     warn_if_kernel_holds_cuda()
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
+    check_ranks_exist(job, nproc * job.nnodes)
     _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
     run_dir = new_run_dir(settings.runs_dir, job.label)
     receiver = None
@@ -159,6 +160,12 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
         if receiver is not None:
             receiver.close()
         shutil.rmtree(run_dir.path, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno == errno.E2BIG:
+            raise OSError(error.errno, (
+                f"nbshard could not start the launcher: {error.strerror}. The environment it inherits (the kernel's "
+                "and env=) is larger than Linux allows a new process. Pass large data to the function as an "
+                "argument or in a file, not in environment variables (os.environ or env=)."
+            )) from error
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OSError(error.errno, (
                 f"nbshard could not write the job into {settings.runs_dir}: {error.strerror}. Free space "
