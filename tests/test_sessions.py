@@ -88,7 +88,7 @@ def test_a_value_that_cannot_be_sent_back_fails_the_call_but_the_session_has_not
     for return_all in (False, True):  # rank 0's value alone, then every rank's
         with pytest.raises(nbshard.JobFailed, match="ran to its end in every rank.*could not be sent back.*lives on") as failed:
             session.run(jobs.count_then_return_a_lock, return_all=return_all)
-        assert [f.rank for f in failed.value.failures] == ([0, 1] if return_all else [0])
+        assert sorted(f.rank for f in failed.value.failures) == ([0, 1] if return_all else [0])  # the first to fail leads
         assert "cannot be pickled" in str(failed.value) and session.state == "running"
     assert session.run(jobs.counted_so_far, return_all=True) == [2, 2]  # both calls ran through in both ranks
 
