@@ -21,6 +21,7 @@ from typing import Any
 from nbshard.stacks import BETWEEN_CALLS, STARTING, where_stopped
 
 __all__ = [
+    "PACKAGE_DIR",
     "JobCancelled",
     "JobError",
     "JobFailed",
@@ -159,12 +160,12 @@ class RankFailure:
         )
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # nbshard's own code, every side's
 
 
 def _without_package_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """``tb`` without nbshard's own frames (they only waited for the ranks)."""
-    kept = [entry for entry in _entries(tb) if not entry.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)]
+    kept = [entry for entry in _entries(tb) if not entry.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)]
     for entry, after in zip(kept, [*kept[1:], None]):
         entry.tb_next = after
     return kept[0] if kept else None

@@ -134,7 +134,8 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
     warn_if_kernel_holds_cuda()
     kernel_env = ranks_environment(os.environ)
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
-    check_ranks_exist(job, nproc * job.nnodes)
+    if job.nproc is None:  # an nproc given was checked with the job; the default is known only now
+        check_ranks_exist(job, nproc * job.nnodes)
     _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
     run_dir = new_run_dir(settings.runs_dir, job.label)
     receiver = None

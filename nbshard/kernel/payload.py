@@ -14,6 +14,7 @@ import types
 import warnings
 from typing import Any
 
+from nbshard.errors import PACKAGE_DIR
 from nbshard.job import Job
 from nbshard.kernel.cell import run_cell
 from nbshard.pickling import dump_job
@@ -23,7 +24,6 @@ __all__ = ["LARGE_JOB", "LargeJob", "pickled_job", "warn_if_large"]
 LARGE_JOB = 64 << 20  # bytes of pickled job from which the cell is told what makes it large
 _SAMPLED = 1000  # items of a container looked at; the rest are taken to be alike
 _DEPTH = 8
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class LargeJob(UserWarning):
@@ -162,7 +162,7 @@ def _caller_level() -> int:
     """The stack level of the first frame outside nbshard and IPython's magic machinery: the
     warning points at the user's line (a cell magic's: the cell's first line)."""
     ipython = sys.modules.get("IPython")
-    skipped = (_PACKAGE_DIR, "<decorator-gen-", *([os.path.dirname(ipython.__file__) + os.sep] if ipython and ipython.__file__ else []))
+    skipped = (PACKAGE_DIR, "<decorator-gen-", *([os.path.dirname(ipython.__file__) + os.sep] if ipython and ipython.__file__ else []))
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1

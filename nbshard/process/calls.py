@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nbshard.errors import PACKAGE_DIR
 from nbshard.files import write_atomic, write_json
 from nbshard.job import RunDir
 from nbshard.rank import monitor
@@ -24,7 +25,6 @@ from nbshard.rank import monitor
 __all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "user_traceback", "write_error"]
 
 NOTEBOOK_MAIN_ENV = "NBSHARD_NOTEBOOK_MAIN"
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbshard's code, all sides
 
 
 class _NotebookMainFile:
@@ -120,7 +120,7 @@ def _frames(tb: types.TracebackType | None) -> list[dict[str, Any]]:
 
 def user_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback without nbshard's leading frames, which only called the user's code."""
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     return tb
 
