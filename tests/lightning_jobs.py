@@ -101,6 +101,49 @@ def trainer_build_sharded_language_model(epochs):
             "chunked": sorted(n for n, m in model.lm.named_modules() if hasattr(m, "_nbshard_rows"))}
 
 
+def trainer_notebook_strategy(strategy, epochs):
+    """A Trainer with one of Lightning's process-starting strategies (``ddp_notebook``: what a
+    notebook's Lightning code uses): where it trained, and the weights after it."""
+    import lightning as L
+
+    class Regression(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(16, 1)
+            self.losses, self.pids = [], set()
+
+        def training_step(self, batch, _):
+            self.pids.add(os.getpid())
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(int(os.environ["RANK"]))  # different starting weights: DDP makes them one
+    model = Regression()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(_data(), batch_size=32))
+    return {"world_size": trainer.world_size, "global_rank": trainer.global_rank, "pids": model.pids, "pid": os.getpid(),
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+            "first": sum(model.losses[:4]) / 4, "last": sum(model.losses[-4:]) / 4}  # an epoch's mean: 4 batches a rank
+
+
+def fabric_notebook_launch(strategy):
+    """``Fabric.launch(fn)`` with a process-starting strategy: where ``fn`` ran, and its group."""
+    import lightning as L
+
+    def where(fabric):
+        return {"pid": os.getpid(), "world_size": fabric.world_size, "global_rank": fabric.global_rank,
+                "sum": fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item()}
+
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+    return {**fabric.launch(where), "rank_pid": os.getpid()}
+
+
 def fabric_empty_init(steps):
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy

@@ -1,6 +1,11 @@
-"""Objects of real third-party libraries shipped to the ranks (skipped where not installed)."""
+"""Real third-party libraries in the ranks: their objects shipped there, their launchers called
+there (skipped where not installed)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -51,3 +56,50 @@ def test_training_arguments_returned_to_the_kernel_carry_no_rank_state(tmp_path)
     pytest.importorskip("transformers")
     args = nbshard.run(training_arguments_made_here, str(tmp_path / "out"), nproc=2)
     assert args.world_size == 1 and args.output_dir == str(tmp_path / "out")
+
+
+def train_through_notebook_launcher(num_processes):
+    """What a notebook's accelerate code does, run as a job: ``notebook_launcher(train, ...)``."""
+    import torch
+    from accelerate import notebook_launcher
+
+    seen = []
+
+    def train(tag):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        seen.append({"tag": tag, "pid": os.getpid(), "processes": accelerator.num_processes, "index": accelerator.process_index,
+                     "precision": accelerator.mixed_precision, "sum": accelerator.reduce(torch.tensor(1.0), "sum").item()})
+
+    returned = notebook_launcher(train, ("cell",), num_processes=num_processes, mixed_precision="bf16")
+    return {"seen": seen, "pid": os.getpid(), "returned": returned, "precision_after": os.environ.get("ACCELERATE_MIXED_PRECISION")}
+
+
+def test_notebook_launcher_in_a_job_trains_in_the_ranks_nbshard_started():
+    # Each rank used to start num_processes more on accelerate's port 29500: they clashed, and
+    # nbshard took it for its own port being taken (restarting the ranks twice in vain).
+    pytest.importorskip("accelerate")
+    handle = nbshard.submit(train_through_notebook_launcher, 4, nproc=2, return_all=True)
+    for rank, result in enumerate(handle.result()):
+        assert result["seen"] == [{"tag": "cell", "pid": result["pid"], "processes": 2, "index": rank, "precision": "bf16", "sum": 2.0}]
+        assert result["returned"] is None and result["precision_after"] is None  # as notebook_launcher leaves it
+    assert "notebook_launcher runs the function in each of the 2 ranks nbshard started (num_processes=4 is not used)" in handle.logs(0)
+    assert "notebook_launcher" not in handle.logs(1)
+    assert "restarting the ranks" not in handle.logs()
+
+
+def test_launchers_imported_before_the_rank_started_are_patched_too():
+    # A warm rank, forked from a process that preloaded lightning or accelerate, finds them imported.
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    code = (
+        "import accelerate, lightning.pytorch.strategies.launchers.multiprocessing as trainer_side\n"
+        "from nbshard.process import inner_launchers\n"
+        "inner_launchers.install()\n"
+        "import lightning.fabric.strategies.launchers.multiprocessing as fabric_side, accelerate.launchers\n"
+        "print(*(getattr(f, '__nbshard_in_rank__', False) for f in (trainer_side._MultiProcessingLauncher.launch,\n"
+        "      fabric_side._MultiProcessingLauncher.launch, accelerate.notebook_launcher, accelerate.launchers.notebook_launcher)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True"] * 4, done.stderr

@@ -1,4 +1,5 @@
-"""Lightning inside the ranks: it sees torchrun's environment and does not launch again."""
+"""Lightning inside the ranks: it sees torchrun's environment and does not launch again (its
+process-starting strategies run in the ranks nbshard started)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def test_fabric_with_empty_init_builds_on_meta_and_trains():
     result = nbshard.run(lightning_jobs.fabric_empty_init, 30, nproc=2)
     assert result["on_meta"] and result["world_size"] == 2
     assert result["last"] < result["first"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp_notebook", "ddp_spawn"])
+def test_trainer_with_a_process_starting_strategy_trains_in_the_ranks_nbshard_started(strategy):
+    # ddp_notebook is what Lightning tells notebook users to pick; inside a rank it started a
+    # group of its own per rank (ports clashed), and ddp_spawn could not load the notebook's classes.
+    handle = nbshard.submit(lightning_jobs.trainer_notebook_strategy, strategy, 5, nproc=2, return_all=True)
+    results = handle.result()
+    assert [r["global_rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 and r["pids"] == {r["pid"]} for r in results)  # no process of Lightning's own
+    assert results[0]["weights"] == results[1]["weights"]  # started apart: DDP kept them one
+    assert results[0]["last"] < results[0]["first"]
+    assert "runs in the ranks nbshard started" in handle.logs(0)
+    assert "nbshard started" not in handle.logs(1)  # said once, by rank 0
+
+
+def test_fabric_launch_with_ddp_notebook_runs_the_function_in_each_rank():
+    results = nbshard.run(lightning_jobs.fabric_notebook_launch, "ddp_notebook", nproc=2, return_all=True)
+    assert [r["global_rank"] for r in results] == [0, 1]
+    assert all(r["pid"] == r["rank_pid"] and r["world_size"] == 2 and r["sum"] == 2.0 for r in results)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from typing import Any
 
 from nbshard.rank import monitor
 from nbshard.contracts import LaunchSpec
-from nbshard.process import debugger
+from nbshard.process import debugger, inner_launchers
 from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
 from nbshard.files import open_private
 from nbshard.process.fresh import MAIN_NAMES
@@ -74,6 +74,7 @@ def _start_monitor(run_dir: RunDir, rank: int, launch: LaunchSpec) -> None:
 def _run(run_dir: RunDir, rank: int) -> int:
     launch = LaunchSpec.read(run_dir.launch)
     _use_kernel_path(launch.sys_path)
+    inner_launchers.install()
     _start_monitor(run_dir, rank, launch)
     if launch.session:
         from nbshard.process import session_rank
