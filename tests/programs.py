@@ -207,6 +207,15 @@ def terminate_checkpoint(path):
         time.sleep(0.05)
 
 
+def store_on_port(port):
+    """Rank 0 serves a TCPStore of the job's own on ``port`` (as a launcher inside the job would)."""
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "0":
+        dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    time.sleep(30)
+
+
 def grab_master_port_once(marker):
     """On the first attempt, rank 0 holds MASTER_PORT before torch can bind it."""
     import socket

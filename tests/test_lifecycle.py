@@ -57,6 +57,20 @@ def test_a_taken_master_port_is_replaced_by_a_free_one():
     assert int(used) != port
 
 
+def test_a_port_the_jobs_own_code_finds_taken_fails_the_job_without_restarts():
+    # Not MASTER_PORT: the job's own store (accelerate's notebook_launcher used 29500 in each
+    # rank) clashed, and nbshard took it for its port, restarting the ranks twice in vain.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handle = nbshard.submit(programs.store_on_port, port, nproc=2)
+        with pytest.raises(nbshard.JobFailed, match="EADDRINUSE|address already in use"):
+            handle.result(timeout=120)
+    outcome = json.loads((handle.run_dir / "outcome.json").read_text())
+    assert not any("was taken" in note for note in outcome["notes"]) and outcome["master_port"] != port
+
+
 def test_a_port_taken_between_choice_and_use_is_retried(tmp_path):
     # Rank 0 itself takes MASTER_PORT on the first attempt, as another program could
     # between the launcher's check and rank 0's bind: its TCPStore then fails with

@@ -11,6 +11,7 @@ it is retried on another port. It writes ``outcome.json`` last.
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import time
 from typing import Any
@@ -107,7 +108,7 @@ class JobLauncher:
                 self.group.final = True
                 self.group.stop_started_ranks()
             self.group.supervise()
-            if not (one_node and retry + 1 < PORT_ATTEMPTS and self._port_was_taken()):
+            if not (one_node and retry + 1 < PORT_ATTEMPTS and self._port_was_taken(port)):
                 return self.group.outcome(port), restart_count
             self.group.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")
             port = pick_port(None)
@@ -123,10 +124,13 @@ class JobLauncher:
             if proc.rank == rank:
                 self.group.to_log(proc, text.encode())
 
-    def _port_was_taken(self) -> bool:
+    def _port_was_taken(self, port: int) -> bool:
+        """Whether rank 0 failed first because ``port`` (MASTER_PORT) was in use: a port the job's
+        own code listens on (another launcher's) is the job's error, which a new port would not mend."""
         if self.group.first_failure != 0 or not self.run_dir.error(0).exists():
             return False
         with contextlib.suppress(OSError, ValueError):
             message = read_json(self.run_dir.error(0)).get("message", "")
-            return "EADDRINUSE" in message or "address already in use" in message.lower()
+            in_use = "EADDRINUSE" in message or "address already in use" in message.lower()
+            return in_use and re.search(rf"(?<!\d){port}(?!\d)", message) is not None
         return False
