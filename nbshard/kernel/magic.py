@@ -61,20 +61,31 @@ def _environment(pairs: list[str]) -> dict[str, str]:
     return env
 
 
+def _compiles(source: str) -> None:
+    """Compile ``source`` as a module (a SyntaxError where it is not one): beyond parsing, this
+    finds what only the compiler refuses (``return``, ``yield`` or ``await`` outside a function)."""
+    compile(source, "<cell>", "exec", dont_inherit=True)
+
+
 def _check_plain_python(shell: Any, body: str) -> None:
-    """The body runs as plain Python in each rank: refuse IPython syntax before launching."""
+    """The body runs as plain Python in each rank: refuse IPython syntax, and code that is no
+    module, before launching."""
     try:
-        ast.parse(body)
+        _compiles(body)
         return
     except SyntaxError as error:
         problem = error
     try:
-        ast.parse(shell.transform_cell(body))
+        _compiles(shell.transform_cell(body))
     except SyntaxError:
         lines = body.splitlines()
         line = lines[problem.lineno - 1] if problem.lineno and problem.lineno <= len(lines) else ""
         where = (problem.lineno or 0) + 1  # as the notebook numbers it, after the %%shard_train line
-        raise UsageError(f"%%shard_train: syntax error in cell line {where}: {problem.msg}\n    {line.strip()}") from None
+        hint = ""
+        if "outside function" in str(problem.msg):  # a notebook cell allows top-level await (IPython's autoawait)
+            hint = (". The cell runs as a plain script in each rank: put the code in a function (async code in an "
+                    "async def, run with asyncio.run(...))")
+        raise UsageError(f"%%shard_train: syntax error in cell line {where}: {problem.msg}{hint}\n    {line.strip()}") from None
     offending = next(
         (line.strip() for line in body.splitlines() if line.strip().startswith(("!", "%"))), "(IPython syntax)"
     )
@@ -257,6 +268,8 @@ class ShardMagics(Magics):
             %shard_session llm --nproc 2
         """
         args = parse_argstring(self.shard_session, line)
+        if args.close and args.restart:
+            raise UsageError("%shard_session: --restart and --close contradict each other; give one (--restart starts new ranks)")
         if args.close or args.restart:
             existing = next((s for s in sessions() if s.name == args.name), None)  # lost ones too
             if existing is None and args.close:
