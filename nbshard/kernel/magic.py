@@ -8,7 +8,6 @@ names back. Works like ipyparallel's ``%%px``, on torchrun-style processes.
 
 from __future__ import annotations
 
-import ast
 import pickle
 import types
 from typing import Any
