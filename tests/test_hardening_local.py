@@ -335,6 +335,38 @@ def test_more_ranks_than_the_process_limit_allows_says_so(script, process_limit)
     assert "killed from outside" not in line
 
 
+def test_more_ranks_than_one_launcher_could_hold_open_are_refused_before_anything_starts(script, runs_dir):
+    # The launcher holds pipes for each rank: past the hard open-files limit ZeroMQ aborted it
+    # (SIGABRT) after forking thousands of ranks (nproc=10**6 reached about 4,000 here).
+    kernel = script(
+        """
+        import resource, nbshard, programs
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        try:
+            nbshard.run(programs.rank_and_value, 1, nproc=64)
+        except ValueError as error:
+            print("REFUSED", error, flush=True)
+        """
+    )
+    line = kernel.wait_for("REFUSED", timeout=60)
+    assert "nproc=64 is more ranks than one launcher can hold here: it needs about 448 open files" in line, line
+    assert "may open at most 256 (ulimit -Hn)" in line
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_a_launcher_raises_its_own_open_files_limit_as_far_as_its_ranks_need(script, runs_dir):
+    # A soft limit of 40 (below the usual 1024, as 1024 is below what 200 ranks need): without
+    # the raise the launcher failed with "Too many open files".
+    kernel = script(
+        """
+        import resource, nbshard, programs
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        print("VALUES", nbshard.run(programs.rank_and_value, 1, nproc=8, return_all=True), flush=True)
+        """
+    )
+    assert kernel.wait_for("VALUES", timeout=120).split(" ", 1)[1].strip() == str(list(range(8)))
+
+
 # -- 7. a umask of 000 ----------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.environment import launch_environment
 from nbshard.job import Job, RunDir, check_ranks_exist
 from nbshard.leftovers import process_identity
+from nbshard.limits import check_can_start
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
 from nbshard.kernel.runs import new_run_dir, prune_runs
@@ -136,6 +137,8 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
     nproc = job.nproc or (len(job.gpus) if job.gpus else max(visible_gpu_count(kernel_env), 1))
     if job.nproc is None:  # an nproc given was checked with the job; the default is known only now
         check_ranks_exist(job, nproc * job.nnodes)
+    if job.backend == "subprocess":  # every launcher and rank on this machine
+        check_can_start(nproc, nproc * job.nnodes)
     _warn_if_oversubscribed(nproc, visible_gpu_count(kernel_env) if job.gpus is None else len(job.gpus))
     run_dir = new_run_dir(settings.runs_dir, job.label)
     receiver = None

@@ -9,6 +9,7 @@ from pathlib import Path
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
 from nbshard.job import RunDir
+from nbshard.limits import raise_open_files
 from nbshard.process.launcher import JobLauncher
 from nbshard.process.reaper import adopt_orphans
 from nbshard.process.session_launcher import SessionLauncher
@@ -25,6 +26,7 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
     adopt_orphans()
     write_atomic(paths.path / "launcher.pid", str(os.getpid()).encode())
     spec = LaunchSpec.read(paths.launch)
+    raise_open_files(spec.nproc_per_node)  # before the ranks' pipes: past the limit, ZeroMQ aborts the launcher
     launcher = (SessionLauncher if spec.session else JobLauncher)(paths, spec, kernel_pidfd=kernel_pidfd, fork_ranks=fork_ranks)
     group = launcher.group
     try:
