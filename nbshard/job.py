@@ -155,6 +155,8 @@ def _validate(job: Job) -> None:
         raise TypeError(f"Job.kwargs must be a mapping, got {type(job.kwargs).__name__}")
     if not all(isinstance(name, str) for name in job.kwargs):
         raise TypeError(f"Job.kwargs must map argument names (str) to values, got the key {next(k for k in job.kwargs if not isinstance(k, str))!r}")
+    if job.name is not None and (not isinstance(job.name, str) or not job.name.strip()):
+        raise TypeError(f"name must be a non-empty string (it names the run and its directory), got {job.name!r}")
     if job.nproc is not None and (
         isinstance(job.nproc, bool) or not isinstance(job.nproc, int) or job.nproc < 1
     ):

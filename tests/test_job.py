@@ -42,6 +42,8 @@ def test_job_keeps_its_options():
         ({"master_port": 70000}, ValueError, "master_port"),
         ({"pickle_by_value": ["os"]}, TypeError, "modules"),
         ({"cwd": 3}, TypeError, "cwd"),
+        ({"name": 5}, TypeError, "name must be a non-empty string"),
+        ({"name": " "}, TypeError, "name must be a non-empty string"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, error, words):
