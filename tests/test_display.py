@@ -6,7 +6,7 @@ import socket
 
 from nbshard.kernel.display import LinePrinter, TailView
 from nbshard.ports import pick_port
-from nbshard.process.lines import LineSplitter
+from nbshard.process.lines import MAX_LINE, LineSplitter
 
 
 def render(text: str) -> list[str]:
@@ -78,6 +78,16 @@ def test_splitter_joins_chunks_and_multibyte_characters_split_across_reads():
     assert splitter.feed(data[2:], 1.0) == [[1.0, "out", "héllo wörld", False]]
     assert splitter.feed(b"no newline at the end", 1.0) == []
     assert splitter.feed(b"", 2.0) == [[2.0, "out", "no newline at the end", False]]
+
+
+def test_a_line_longer_than_the_live_view_takes_is_cut_saying_so():
+    splitter = LineSplitter("out")
+    [(_, _, text, _)] = splitter.feed(b"x" * 25_000 + b"\n", 1.0)
+    assert text == "x" * MAX_LINE + " ... [cut: 25,000 characters; the rank's log keeps the whole line]"
+    splitter.feed(b"y" * 30_000, 2.0)  # no newline yet: shown as the open line once it waited
+    assert splitter.open_line(3.0)[2] == "y" * MAX_LINE + " ... [cut; the rank's log keeps the whole line]"
+    pieces = splitter.feed(b"y" * 1_000_000, 4.0)  # past 100 lines' worth without a newline: a piece of its own
+    assert [p[2][MAX_LINE:] for p in pieces] == [" ... [cut: 1,030,000 characters; the rank's log keeps the whole line]"]
 
 
 def test_pick_port_avoids_a_taken_port():

@@ -21,6 +21,15 @@ def _visible(line: str) -> str:
     return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
+def _shown(line: str, finished: bool = True) -> str:
+    """``line`` as it is sent live: past MAX_LINE characters, cut, and saying so (how long a
+    finished line is; an open one still grows, and is sent again only when what it shows changed)."""
+    if len(line) <= MAX_LINE:
+        return line
+    length = f": {len(line):,} characters" if finished else ""
+    return f"{line[:MAX_LINE]} ... [cut{length}; the rank's log keeps the whole line]"
+
+
 class LineSplitter:
     """Turns one output stream's bytes into finished lines and its open (unfinished) line."""
 
@@ -36,8 +45,8 @@ class LineSplitter:
         return [[now, self.stream, line, False] for line in self.feed_texts(data, now)]
 
     def feed_texts(self, data: bytes, now: float) -> list[str]:
-        """The texts of the lines ``data`` finished (what a terminal shows of each, cut to
-        MAX_LINE); ``data`` empty: the stream ended."""
+        """The texts of the lines ``data`` finished (what a terminal shows of each, cut past
+        MAX_LINE, saying so); ``data`` empty: the stream ended."""
         text = self._partial + self._decoder.decode(data, final=not data)
         *finished, partial = text.split("\n")
         if "\r" in partial:  # a progress bar: keep what a terminal shows, however often it is redrawn
@@ -55,12 +64,12 @@ class LineSplitter:
         if "\r" not in text and max(map(len, finished), default=0) <= MAX_LINE:  # most output: each line as it is
             return finished
         # A bar cleared and then ended (tqdm's close with leave=False) is no line of output.
-        return [_visible(line)[:MAX_LINE] for line in finished if "\r" not in line or _visible(line).strip()]
+        return [_shown(_visible(line)) for line in finished if "\r" not in line or _visible(line).strip()]
 
     def end_line(self, now: float) -> list[Any] | None:
         """The unfinished line as a finished one (a session's call ended after printing it)."""
         partial, self._partial, self._sent_open = self._partial, "", None
-        visible = _visible(partial)[:MAX_LINE]
+        visible = _shown(_visible(partial))
         return [now, self.stream, visible, False] if visible.strip() else None
 
     def open_line(self, now: float) -> list[Any] | None:
@@ -70,7 +79,7 @@ class LineSplitter:
         OPEN_LINE_DELAY for its newline (``print(..., end="")``); a line merely
         cut by a pipe read is completed long before that.
         """
-        visible = _visible(self._partial)[:MAX_LINE]
+        visible = _shown(_visible(self._partial), finished=False)
         if not visible or visible == self._sent_open:
             return None
         if "\r" not in self._partial and now - self._partial_since < OPEN_LINE_DELAY:
