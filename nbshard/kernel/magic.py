@@ -81,9 +81,10 @@ def _check_plain_python(shell: Any, body: str) -> None:
         line = lines[problem.lineno - 1] if problem.lineno and problem.lineno <= len(lines) else ""
         where = (problem.lineno or 0) + 1  # as the notebook numbers it, after the %%shard_train line
         hint = ""
-        if "outside function" in str(problem.msg):  # a notebook cell allows top-level await (IPython's autoawait)
-            hint = (". The cell runs as a plain script in each rank: put the code in a function (async code in an "
-                    "async def, run with asyncio.run(...))")
+        if "'await' outside" in str(problem.msg):  # a notebook cell allows top-level await (IPython's autoawait)
+            hint = ". The cell runs as a plain script in each rank: put the async code in an async def and run it with asyncio.run(...)"
+        elif "outside function" in str(problem.msg):
+            hint = ". The cell runs as a plain script in each rank: assign the value to a name and bring it back with --pull NAME"
         raise UsageError(f"%%shard_train: syntax error in cell line {where}: {problem.msg}{hint}\n    {line.strip()}") from None
     offending = next(
         (line.strip() for line in body.splitlines() if line.strip().startswith(("!", "%"))), "(IPython syntax)"
