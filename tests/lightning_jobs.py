@@ -101,7 +101,7 @@ def trainer_build_sharded_language_model(epochs):
             "chunked": sorted(n for n, m in model.lm.named_modules() if hasattr(m, "_nbshard_rows"))}
 
 
-def trainer_notebook_strategy(strategy, epochs):
+def trainer_notebook_strategy(strategy, epochs, devices=None):
     """A Trainer with one of Lightning's process-starting strategies (``ddp_notebook``: what a
     notebook's Lightning code uses): where it trained, and the weights after it."""
     import lightning as L
@@ -124,7 +124,7 @@ def trainer_notebook_strategy(strategy, epochs):
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(int(os.environ["RANK"]))  # different starting weights: DDP makes them one
     model = Regression()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=devices or world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, torch.utils.data.DataLoader(_data(), batch_size=32))
     return {"world_size": trainer.world_size, "global_rank": trainer.global_rank, "pids": model.pids, "pid": os.getpid(),

@@ -71,6 +71,7 @@ def train_through_notebook_launcher(num_processes):
         accelerator = Accelerator(cpu=True)
         seen.append({"tag": tag, "pid": os.getpid(), "processes": accelerator.num_processes, "index": accelerator.process_index,
                      "precision": accelerator.mixed_precision, "sum": accelerator.reduce(torch.tensor(1.0), "sum").item()})
+        print(f"trained: process {accelerator.process_index} of {accelerator.num_processes}", flush=True)
 
     returned = notebook_launcher(train, ("cell",), num_processes=num_processes, mixed_precision="bf16")
     return {"seen": seen, "pid": os.getpid(), "returned": returned, "precision_after": os.environ.get("ACCELERATE_MIXED_PRECISION")}
@@ -80,13 +81,26 @@ def test_notebook_launcher_in_a_job_trains_in_the_ranks_nbshard_started():
     # Each rank used to start num_processes more on accelerate's port 29500: they clashed, and
     # nbshard took it for its own port being taken (restarting the ranks twice in vain).
     pytest.importorskip("accelerate")
-    handle = nbshard.submit(train_through_notebook_launcher, 4, nproc=2, return_all=True)
+    handle = nbshard.submit(train_through_notebook_launcher, 2, nproc=2, return_all=True)
     for rank, result in enumerate(handle.result()):
         assert result["seen"] == [{"tag": "cell", "pid": result["pid"], "processes": 2, "index": rank, "precision": "bf16", "sum": 2.0}]
         assert result["returned"] is None and result["precision_after"] is None  # as notebook_launcher leaves it
-    assert "notebook_launcher runs the function in each of the 2 ranks nbshard started (num_processes=4 is not used)" in handle.logs(0)
+    assert "notebook_launcher runs the function in each of the 2 ranks nbshard started" in handle.logs(0)
     assert "notebook_launcher" not in handle.logs(1)
-    assert "restarting the ranks" not in handle.logs()
+
+
+def test_notebook_launcher_asked_for_other_processes_than_the_ranks_says_so():
+    pytest.importorskip("accelerate")
+    with pytest.raises(nbshard.JobFailed, match=r"num_processes=4, but nbshard started 2 ranks.*\(nproc=4 for nbshard, or num_processes=2\)"):
+        nbshard.run(train_through_notebook_launcher, 4, nproc=2)
+
+
+def test_notebook_launcher_in_a_job_of_one_rank_starts_its_processes_as_anywhere():
+    pytest.importorskip("accelerate")
+    handle = nbshard.submit(train_through_notebook_launcher, 2, nproc=1)
+    assert handle.result()["seen"] == []  # not in the rank: in notebook_launcher's two processes
+    assert sorted(line for line in handle.logs(0).splitlines() if line.startswith("trained")) == [
+        "trained: process 0 of 2", "trained: process 1 of 2"]
 
 
 def test_launchers_imported_before_the_rank_started_are_patched_too():

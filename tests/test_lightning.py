@@ -45,6 +45,12 @@ def test_trainer_with_a_process_starting_strategy_trains_in_the_ranks_nbshard_st
     assert "nbshard started" not in handle.logs(1)  # said once, by rank 0
 
 
+def test_a_process_starting_strategy_asked_for_other_processes_than_the_ranks_says_so():
+    # One rank and devices=2: Lightning forked two processes that each thought themselves the only one.
+    with pytest.raises(nbshard.JobFailed, match=r"asked for 2 processes \(devices=2, num_nodes=1\), but nbshard started 1 rank"):
+        nbshard.run(lightning_jobs.trainer_notebook_strategy, "ddp_notebook", 1, 2, nproc=1)
+
+
 def test_fabric_launch_with_ddp_notebook_runs_the_function_in_each_rank():
     results = nbshard.run(lightning_jobs.fabric_notebook_launch, "ddp_notebook", nproc=2, return_all=True)
     assert [r["global_rank"] for r in results] == [0, 1]

@@ -8,8 +8,10 @@ would start that many more: their rendezvous ports clash ("address already in us
 spawned copies cannot load the notebook's classes, and the job fails with an error that names
 neither. In a rank they call the function in place, as Lightning's ``ddp`` does under torchrun
 (its cluster environment "creates processes externally") and as ``notebook_launcher`` does for
-one process; rank 0 says so once. No library is imported here: a launcher's module is patched
-when the job imports it (or at the rank's start, where a warm process imported it already).
+one process; rank 0 says so once. Asked for another number of processes than nbshard started,
+they say so instead. In a job of one rank, ``notebook_launcher`` starts its processes as it would
+anywhere (they clash with no other rank's). No library is imported here: a launcher's module is
+patched when the job imports it (or at the rank's start, where a warm process imported it).
 """
 
 from __future__ import annotations
@@ -58,9 +60,16 @@ def _patch_lightning(module: ModuleType) -> None:
 
     @functools.wraps(launch)
     def launch_in_rank(self: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        environment = getattr(getattr(self, "_strategy", None), "cluster_environment", None)
-        if not getattr(environment, "creates_processes_externally", False):
+        strategy = getattr(self, "_strategy", None)
+        if not getattr(getattr(strategy, "cluster_environment", None), "creates_processes_externally", False):
             return launch(self, function, *args, **kwargs)
+        devices, nodes = getattr(strategy, "num_processes", None), getattr(strategy, "num_nodes", 1)
+        if isinstance(devices, int) and isinstance(nodes, int) and devices * nodes != _world_size():
+            raise ValueError(
+                f"Lightning was asked for {devices * nodes} processes (devices={devices}, num_nodes={nodes}), but nbshard "
+                f"started {_world_size()} rank{'s' * (_world_size() > 1)}, one per device: make them agree (nproc={devices} "
+                f"for nbshard, or devices={_world_size() // max(nodes, 1) or 1} for Lightning)"
+            )
         _say_once(f"Lightning's {getattr(self, '_start_method', '?')}-based strategy runs in the ranks nbshard started "
                   "(as strategy='ddp' does under torchrun) instead of starting processes of its own")
         kwargs.pop("trainer", None)  # the Trainer's launcher gets it to copy results back from its workers
@@ -80,13 +89,19 @@ def _patch_notebook_launcher(module: ModuleType) -> None:
                                   mixed_precision: Any = "no", *_: Any, **__: Any) -> None:
         from accelerate.utils import PrecisionType
 
+        if _world_size() == 1:  # the only rank: its processes clash with no other rank's
+            return original(function, args, num_processes, mixed_precision, *_, **__)
         try:
             precision = PrecisionType(str(getattr(mixed_precision, "value", mixed_precision)).lower())
         except ValueError:  # as notebook_launcher says it
             raise ValueError(f"Unknown mixed_precision mode: {mixed_precision}. Choose between {PrecisionType.list()}.") from None
-        world_size = os.environ.get("WORLD_SIZE", "1")
-        asked = "" if num_processes in (None, int(world_size)) else f" (num_processes={num_processes} is not used)"
-        _say_once(f"accelerate's notebook_launcher runs the function in each of the {world_size} ranks nbshard started{asked}")
+        if num_processes not in (None, _world_size()):
+            raise ValueError(
+                f"notebook_launcher was asked for num_processes={num_processes}, but nbshard started {_world_size()} ranks, "
+                f"and runs the function in each: make them agree (nproc={num_processes} for nbshard, or "
+                f"num_processes={_world_size()})"
+            )
+        _say_once(f"accelerate's notebook_launcher runs the function in each of the {_world_size()} ranks nbshard started")
         previous = os.environ.get("ACCELERATE_MIXED_PRECISION")
         os.environ["ACCELERATE_MIXED_PRECISION"] = precision.value  # what notebook_launcher sets for its processes
         try:
@@ -102,6 +117,10 @@ def _patch_notebook_launcher(module: ModuleType) -> None:
     package = sys.modules.get("accelerate")
     if getattr(package, "notebook_launcher", None) is original:  # imported from it already (a warm rank)
         package.notebook_launcher = notebook_launcher_in_rank  # type: ignore[union-attr]
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @functools.cache
