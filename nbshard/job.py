@@ -9,6 +9,7 @@ call and compare.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import types
@@ -149,6 +150,11 @@ def check_ranks_exist(job: Job, world_size: int) -> None:
 def _validate(job: Job) -> None:
     if not callable(job.fn):
         raise TypeError(f"Job.fn must be callable, got {type(job.fn).__name__}: {job.fn!r}")
+    if inspect.isgeneratorfunction(job.fn) or inspect.isasyncgenfunction(job.fn):
+        raise TypeError(
+            f"{getattr(job.fn, '__qualname__', job.fn)!r} is a generator function: calling it only makes a generator, "
+            "which runs none of its body (and cannot be sent back). Return the values instead: a list, or the last one."
+        )
     if not isinstance(job.args, tuple):
         raise TypeError(f"Job.args must be a tuple, got {type(job.args).__name__}")
     if not isinstance(job.kwargs, Mapping):

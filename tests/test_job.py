@@ -20,6 +20,10 @@ def test_job_keeps_its_options():
     assert job.label == "train"
 
 
+def steps():
+    yield 1
+
+
 @pytest.mark.parametrize(
     ("options", "error", "words"),
     [
@@ -43,12 +47,13 @@ def test_job_keeps_its_options():
         ({"pickle_by_value": ["os"]}, TypeError, "modules"),
         ({"cwd": 3}, TypeError, "cwd"),
         ({"name": 5}, TypeError, "name must be a non-empty string"),
+        ({"fn": steps}, TypeError, "'steps' is a generator function: calling it only makes a generator"),
         ({"name": " "}, TypeError, "name must be a non-empty string"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, error, words):
     with pytest.raises(error, match=words):
-        Job(train, **options)
+        Job(options.pop("fn", train), **options)
 
 
 def test_fn_must_be_callable():

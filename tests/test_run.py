@@ -99,6 +99,19 @@ def test_a_local_module_can_travel_by_value(tmp_path):
         sys.modules.pop("kernel_only_helper", None)
 
 
+async def gathered_in_each_rank(value):
+    import asyncio
+    import os
+
+    first, second = await asyncio.gather(asyncio.sleep(0, value), asyncio.sleep(0, int(os.environ["RANK"])))
+    return first + second
+
+
+def test_an_async_function_runs_to_its_end_in_each_rank():
+    # It used to return an unawaited coroutine, which failed as a value that cannot be pickled.
+    assert nbshard.run(gathered_in_each_rank, 10, nproc=2, return_all=True) == [10, 11]
+
+
 def test_stdin_is_dev_null_so_input_fails_instead_of_hanging():
     assert nbshard.run(programs.read_stdin, nproc=1) == "EOFError: EOF when reading a line"
 

@@ -7,6 +7,7 @@ A job's rank makes one call (``nbshard.worker``); a session's rank makes one per
 from __future__ import annotations
 
 import base64
+import inspect
 import os
 import pickle
 import sys
@@ -169,8 +170,14 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
 
 
 def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The user's function; its frame in a stack dump tells that the rank had started it."""
-    return fn(*args, **kwargs)
+    """The user's function; its frame in a stack dump tells that the rank had started it. An
+    ``async def`` runs to its end, as ``asyncio.run`` runs a script's."""
+    value = fn(*args, **kwargs)
+    if inspect.iscoroutine(value):
+        import asyncio
+
+        value = asyncio.run(value)
+    return value
 
 
 def run_job(
