@@ -87,10 +87,10 @@ def _patch_notebook_launcher(module: ModuleType) -> None:
     @functools.wraps(original)
     def notebook_launcher_in_rank(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int | None = None,
                                   mixed_precision: Any = "no", *_: Any, **__: Any) -> None:
-        from accelerate.utils import PrecisionType
-
         if _world_size() == 1:  # the only rank: its processes clash with no other rank's
             return original(function, args, num_processes, mixed_precision, *_, **__)
+        from accelerate.utils import PrecisionType
+
         try:
             precision = PrecisionType(str(getattr(mixed_precision, "value", mixed_precision)).lower())
         except ValueError:  # as notebook_launcher says it
