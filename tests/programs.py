@@ -240,6 +240,11 @@ def start_escaping_child(pid_file, then="return"):
     os.replace(written, f"{pid_file}.{os.environ['RANK']}")
     print("child started", flush=True)
     if then == "raise":
+        # Not before every rank started its child: the launcher stops the others once one raised.
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(f"{pid_file}.{rank}") for rank in range(int(os.environ["WORLD_SIZE"]))):
+            assert time.monotonic() < deadline, "the other ranks never started their children"
+            time.sleep(0.01)
         raise RuntimeError("failing with a child in another session")
     if then == "wait":
         time.sleep(600)
