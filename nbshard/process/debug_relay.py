@@ -20,6 +20,7 @@ import time
 from typing import Any, Protocol
 
 from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT, RunDir
+from nbshard.process.kernel_stream import KernelStream
 from nbshard.process.rank_process import Rank
 
 __all__ = ["DEBUG", "DebugRelay", "MAX_DEBUG_TEXT"]
@@ -36,8 +37,8 @@ class Group(Protocol):
     selector: selectors.BaseSelector
     ranks: list[Rank]
     run_dir: RunDir
+    stream: KernelStream
 
-    def send(self, message: dict[str, Any]) -> None: ...
     def note(self, text: str) -> None: ...
 
 
@@ -93,7 +94,7 @@ class DebugRelay:
         if said.get("resumed"):
             self.asking.pop(proc.rank, None)
             self.resumed_at[proc.rank] = now
-            self.group.send({"kind": "debug", "rank": proc.rank, "resumed": True})
+            self.group.stream.send({"kind": "debug", "rank": proc.rank, "resumed": True})
             return
         text = str(said.get("text", ""))
         if len(text) > MAX_DEBUG_TEXT:
@@ -102,7 +103,7 @@ class DebugRelay:
         stopping = not said.get("alone") and proc.rank not in self.asking and now - self.resumed_at.get(proc.rank, -STEPPING) >= STEPPING
         self.asking.setdefault(proc.rank, time.time())
         if not stopping:
-            self.group.send(message)
+            self.group.stream.send(message)
             return
         self.held.append([now + SETTLE, message, proc, None])
 
@@ -116,7 +117,7 @@ class DebugRelay:
         while self.held and (self.held[0][3] is not None and now >= self.held[0][0] or not any(p.running for p in self.group.ranks)):
             _, message, _, asked = self.held.pop(0)
             message["others"] = {str(p.rank): p.read_stacks(self.group.run_dir.stacks(p.rank)) for p in asked or ()}
-            self.group.send(message)
+            self.group.stream.send(message)
 
     def command(self, line: str) -> bool:
         """Whether ``line`` from the kernel is an answer to a prompt (``debug RANK {json}``),

@@ -37,11 +37,11 @@ def main(run_dir: str, *, kernel_pidfd: int | None = None, fork_ranks: bool = Fa
             outcome.storage_error = outcome.storage_error or f"{error.strerror} while writing {paths.outcome}"
         # The last words may wait for a slow kernel while it lives, never long: the files hold the truth.
         wait = FINAL_FLUSH if group.kernel_alive() else END_SEND_WAIT
-        for rank in list(group.dropped):
-            group.send_dropped_notice(rank, wait=wait)
+        for rank in list(group.stream.dropped):
+            group.stream.send_dropped_notice(rank, wait=wait)
         # One node of many: the kernel's side of the nodes says when the whole run ended.
         kind = "end" if spec.nnodes == 1 else "node_end"
-        group.send({"kind": kind, "status": outcome.status, "storage_error": outcome.storage_error}, wait=wait)
+        group.stream.send({"kind": kind, "status": outcome.status, "storage_error": outcome.storage_error}, wait=wait)
     finally:
         group.close(FINAL_FLUSH)
     return 0

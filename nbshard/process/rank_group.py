@@ -28,20 +28,14 @@ from nbshard.environment import rank_environment
 from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT, RunDir
 from nbshard.process.debug_relay import DEBUG, DebugRelay
 from nbshard.process.forking import ForkedProcess, fork_rank
+from nbshard.process.kernel_stream import KernelStream
 from nbshard.process.fresh import cold_command
 from nbshard.process.rank_process import Rank
 from nbshard.process.reaper import kill_leftovers
-from nbshard.wire import Sender
 
 __all__ = ["Driver", "RankGroup"]
 
 TICK = 0.1  # seconds between checks of exits, deadlines and open (\r) lines
-# How long a rank's finished lines may wait to travel with the next ones, and how many bytes of
-# them at most (the kernel may hold a thousand messages queued): a flood goes as a message a
-# millisecond or 16 KiB, not one per pipe read, which the kernel (checking and decoding each
-# message) could not keep up with, and lines would be dropped from the live view.
-COALESCE = 0.001
-COALESCE_BYTES = 1 << 14
 KERNEL_GONE_GRACE = 1.0
 PIPE_DRAIN_WAIT = 1.0  # how long exited ranks' children may hold the pipes open
 KERNEL = "kernel"  # the selector's mark for the kernel's pidfd
@@ -59,11 +53,6 @@ class Driver(Protocol):
     def tag(self, message: dict[str, Any]) -> dict[str, Any]: ...
 
 
-def _lines_message(rank: int, now: float, stream: str, texts: list[str], is_open: bool) -> dict[str, Any]:
-    """Lines of one stream of a rank, their texts joined into one string (the wire's ``lines``)."""
-    return {"kind": "lines", "rank": rank, "time": now, "stream": stream, "open": is_open, "text": "\n".join(texts)}
-
-
 class RankGroup:
     """``kernel_pidfd``: the kernel's pidfd when a warm process forked this launcher (else the
     kernel is its parent, found by pid). ``fork_ranks``: fork the ranks from this process,
@@ -71,18 +60,12 @@ class RankGroup:
 
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, driver: Driver, *, kernel_pidfd: int | None, fork_ranks: bool) -> None:
         self.run_dir, self.spec, self.driver, self.fork_ranks = run_dir, spec, driver, fork_ranks
-        self._sender: Sender | None = None  # opened once the ranks are started: ZeroMQ's threads must not exist at a fork
+        self.stream = KernelStream(spec.address, run_dir.key, driver.tag, run_dir.log)
         self.selector = selectors.DefaultSelector()
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
         self.debug = DebugRelay(self)
         self.kernel_pending = b""  # an unfinished command line from the kernel
-        self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
-        self.pending: list[list[Any]] = []  # runs of finished lines not sent yet: [rank, time, stream, texts]
-        self.pending_since = 0.0
-        self.pending_bytes = 0
-        self.dropped_total: dict[int, int] = {}
-        self.lines_sent: dict[int, int] = {}  # queued for the kernel, by rank: it can tell what never arrived
         self.notes: list[str] = []
         self.stop_reason: Status | None = None
         self.first_failure: int | None = None
@@ -108,46 +91,9 @@ class RankGroup:
 
     # -- messages ---------------------------------------------------------
 
-    @property
-    def sender(self) -> Sender:
-        if self._sender is None:
-            self._sender = Sender(self.spec.address, self.run_dir.key.read_bytes())
-        return self._sender
-
-    def close_sender(self, linger: float | None = None) -> None:
-        """Flush (for ``linger`` seconds at most) and close the socket, ending ZeroMQ's threads
-        (before forking ranks again)."""
-        if self._sender is not None:
-            self.flush_lines()
-            self._sender.close(None if linger is None else int(linger * 1000))
-            self._sender = None
-
-    def send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
-        """Send without blocking (or ``wait`` at most), after the lines still waiting (they came
-        first); count lines the kernel was too slow to take."""
-        if self.pending:
-            self.flush_lines()
-        self._send(message, rank, lines, wait)
-
-    def _send(self, message: dict[str, Any], rank: int | None = None, lines: int = 0, wait: float = 0.0) -> None:
-        if rank is not None:
-            self.send_dropped_notice(rank, wait)
-        sent = self.sender.send(self.driver.tag(message), wait)
-        if lines and not sent:
-            self.dropped[rank] = self.dropped.get(rank, 0) + lines  # type: ignore[index]
-            self.dropped_total[rank] = self.dropped_total.get(rank, 0) + lines  # type: ignore[index]
-        elif lines:
-            self.lines_sent[rank] = self.lines_sent.get(rank, 0) + lines  # type: ignore[index]
-
-    def send_dropped_notice(self, rank: int, wait: float = 0.0) -> None:
-        if self.dropped.get(rank):
-            notice = {"kind": "dropped", "rank": rank, "count": self.dropped[rank], "log": str(self.run_dir.log(rank))}
-            if self.sender.send(notice, wait):
-                self.dropped[rank] = 0
-
     def note(self, text: str) -> None:
         self.notes.append(text)
-        self.send({"kind": "event", "event": "note", "text": text})
+        self.stream.send({"kind": "event", "event": "note", "text": text})
 
     # -- ranks ------------------------------------------------------------
 
@@ -184,7 +130,7 @@ class RankGroup:
                 proc.pidfd = os.pidfd_open(proc.popen.pid)
                 self.selector.register(proc.pidfd, selectors.EVENT_READ, (EXITED, proc))
             self.ranks.append(proc)
-        self.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
+        self.stream.send({"kind": "event", "event": "started", "master_port": port, "pids": [r.popen.pid for r in self.ranks]})
 
     def start_process(self, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes] | ForkedProcess:
         """A rank, forked or a fresh interpreter, with ``pass_fds`` (and its debug socket) open in
@@ -195,7 +141,7 @@ class RankGroup:
         if self.fork_ranks:
             from nbshard.process import worker
 
-            self.close_sender()  # this process must hold one thread when it forks
+            self.stream.close()  # this process must hold one thread when it forks
             return fork_rank(
                 lambda: worker.run_forked(run_dir), run_dir=run_dir, env=env, cwd=self.spec.cwd, keep=pass_fds, imports_invalidated=True,
             )
@@ -215,39 +161,11 @@ class RankGroup:
             self.selector.unregister(fd)
             proc.open_fds.discard(fd)
         splitter = proc.splitters[fd]
-        self.send_texts(proc.rank, now, splitter.stream, splitter.feed_texts(data, now))
+        self.stream.send_texts(proc.rank, now, splitter.stream, splitter.feed_texts(data, now))
 
     def send_open_lines(self, now: float) -> None:
         for proc in self.ranks:
-            self.send_lines(proc.rank, [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None])
-
-    def send_lines(self, rank: int, lines: list[list[Any]]) -> None:
-        """A few ``lines`` (each ``[time, stream, text, is_open]``: open lines, a call's last), now."""
-        for time_, stream, text, is_open in lines:
-            self.send(_lines_message(rank, time_, stream, [text], is_open), rank, 1)
-
-    def send_texts(self, rank: int, now: float, stream: str, texts: list[str]) -> None:
-        """Finished lines of one stream: sent within ``COALESCE`` seconds, with those that follow."""
-        if not texts:
-            return
-        if not self.pending:
-            self.pending_since = time.monotonic()
-        last = self.pending[-1] if self.pending else None
-        if last is not None and last[0] == rank and last[2] == stream:
-            last[1] = now
-            last[3].extend(texts)
-        else:
-            self.pending.append([rank, now, stream, texts])
-        self.pending_bytes += sum(map(len, texts))
-        if self.pending_bytes >= COALESCE_BYTES:
-            self.flush_lines()
-
-    def flush_lines(self) -> None:
-        """Send the waiting lines, a message per run of one stream: its texts joined into one
-        string, not a JSON list per line (whose encoding was most of a flood's cost)."""
-        pending, self.pending, self.pending_bytes = self.pending, [], 0
-        for rank, now, stream, texts in pending:
-            self._send(_lines_message(rank, now, stream, texts, False), rank, len(texts))
+            self.stream.send_lines(proc.rank, [line for s in proc.splitters.values() if (line := s.open_line(now)) is not None])
 
     def check_exits(self) -> None:
         for proc in self.ranks:
@@ -256,7 +174,7 @@ class RankGroup:
             proc.returncode = proc.popen.returncode
             proc.ended_at = time.time()
             signame = signal_name(-proc.returncode) if proc.returncode < 0 else None
-            self.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
+            self.stream.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
             self.driver.rank_ended(proc)
 
     def to_log(self, proc: Rank, data: bytes) -> None:
@@ -283,7 +201,7 @@ class RankGroup:
         now = time.monotonic()
         if self.stop_reason is None:
             self.stop_reason = reason
-            self.send({"kind": "event", "event": "stopping", "reason": reason})
+            self.stream.send({"kind": "event", "event": "stopping", "reason": reason})
         if stacks and self.term_at == float("inf"):
             for proc in self.ranks:  # one still starting has no stack to give
                 proc.stacks_asked = proc.ask_stacks(self.run_dir.stacks(proc.rank))
@@ -376,8 +294,7 @@ class RankGroup:
         last_tick = 0.0
         all_ended_at: float | None = None
         while True:
-            wait = TICK if not self.pending else max(0.0, self.pending_since + COALESCE - time.monotonic())
-            for key, _ in self.selector.select(wait):
+            for key, _ in self.selector.select(min(TICK, self.stream.wait_for_lines())):
                 if key.data is None:
                     self.driver.kernel_input(key.fd)
                 elif key.data is KERNEL:
@@ -392,8 +309,8 @@ class RankGroup:
                 else:
                     self.read_output(key.data, key.fd, time.time())
             now = time.monotonic()
-            if self.pending and now - self.pending_since >= COALESCE:
-                self.flush_lines()
+            if self.stream.wait_for_lines() == 0:
+                self.stream.flush_lines()
             if self.signalled and self.stop_reason is None:
                 self.request_stop(self.signalled, stacks=True, grace=self.spec.grace)
             self.driver.tick(now)
@@ -425,7 +342,7 @@ class RankGroup:
         for proc in self.ranks:
             proc.close()
         kill_leftovers()
-        self.close_sender(linger if self.kernel_alive() else None)
+        self.stream.close(linger if self.kernel_alive() else None)
 
     def outcome(self, port: int | None) -> RunOutcome:
         if self.stop_reason is None:
@@ -435,7 +352,7 @@ class RankGroup:
         return RunOutcome(
             status=status, storage_error=self.storage_error, start_error=self.start_error,
             first_failure=self.first_failure, master_port=port, notes=self.notes,
-            signal_received=self.signal_received, dropped_lines=dict(self.dropped_total), lines_sent=dict(self.lines_sent),
+            signal_received=self.signal_received, dropped_lines=dict(self.stream.dropped_total), lines_sent=dict(self.stream.lines_sent),
             ranks=[
                 RankOutcome(p.rank, p.returncode, p.ok, p.ended_at, p.stopped and p.rank != self.first_failure, p.stacks)
                 for p in self.ranks

@@ -133,7 +133,7 @@ class SessionLauncher:
                 continue
             call, status, count, value, sample = line.decode().split(" ", 4)
             if call == POST_MORTEM:
-                self.group.send({"kind": "event", "event": POST_MORTEM, "rank": target, "found": status == "done"})
+                self.group.stream.send({"kind": "event", "event": POST_MORTEM, "rank": target, "found": status == "done"})
             elif call == self.call:
                 self.replies[target] = (status, None if count == "-" else int(count), time.time())
                 if value != "-":
@@ -172,7 +172,7 @@ class SessionLauncher:
     def begin_call(self, call: str, digest: str, timeout: float, return_all: str, inline: str = "") -> None:
         if self.call is not None or self.group.stop_reason is not None:
             return  # the kernel sends one call at a time, and none to a session it knows is ending
-        self.group.flush_lines()  # what the ranks printed between calls is no call's
+        self.group.stream.flush_lines()  # what the ranks printed between calls is no call's
         self.call, self.call_dir = call, RunDir(self.run_dir.path / "calls" / call)
         self.replies, self.samples, self.values, self.call_stopped, self.leave_by = {}, [], {}, None, float("inf")
         self.call_deadline = time.monotonic() + timeout if timeout > 0 else float("inf")
@@ -212,7 +212,7 @@ class SessionLauncher:
         (atexit, process groups torn down); SIGTERM after the grace period, then SIGKILL."""
         if self.group.stop_reason is None:
             self.group.stop_reason = Status.CLOSED
-            self.group.send({"kind": "event", "event": "stopping", "reason": Status.CLOSED})
+            self.group.stream.send({"kind": "event", "event": "stopping", "reason": Status.CLOSED})
             self.group.term_at = time.monotonic() + self.grace
             self.group.kill_at = self.group.term_at + self.spec.grace
         self.close_commands()
@@ -269,7 +269,7 @@ class SessionLauncher:
                 if fd not in owners[fd].open_fds:
                     del owners[fd]
         for proc in self.group.ranks:
-            self.group.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
+            self.group.stream.send_lines(proc.rank, [line for splitter in proc.splitters.values() if (line := splitter.end_line(now))])
         samples = []
         for sample in self.samples:
             with contextlib.suppress(ValueError):
@@ -281,7 +281,7 @@ class SessionLauncher:
         if not self.reply({**end, "values": self.values}):
             if not self.write_values():  # a full disk: the call's outcome says so
                 record, end = self.ending(status, diverged, samples)
-            self.group.send(end)
+            self.group.stream.send(end)
         write_json(self.call_dir.outcome, record)
         for proc in self.group.ranks:
             proc.log.close()
@@ -294,8 +294,8 @@ class SessionLauncher:
         go there at once and whole (the wire carries it): the launcher never waits for the kernel."""
         if self.back is None:
             return False
-        self.group.flush_lines()
-        sender = self.group.sender
+        self.group.stream.flush_lines()
+        sender = self.group.stream.sender
         data = json.dumps({**self.tag(message), "from": sender.id, "after": sender.sent}, separators=(",", ":")).encode() + b"\n"
         if len(data) > REPLY_MAX:
             return False
