@@ -44,7 +44,8 @@ def _plain(value: Any) -> Any:
     """``value`` as JSON's types: a dataclass as a dict of its fields (``dataclasses.asdict``
     without its deep copies, a session call's end is built on every call), keys as strings."""
     if dataclasses.is_dataclass(value):
-        return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
+        cls: type = type(value)
+        return {name: _plain(getattr(value, name)) for name in _field_names(cls)}
     if isinstance(value, list):
         return [_plain(item) for item in value]
     if isinstance(value, dict):
@@ -84,7 +85,7 @@ class LaunchSpec:
     max_restarts: int = 0
     restart_count: int = 0
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    gpus: list[int] | None = None
+    gpus: list[int | str] | None = None  # indices or GPU UUIDs
     backend_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     return_all: bool = False
     sys_path: list[str] = dataclasses.field(default_factory=list)

@@ -23,30 +23,30 @@ def train(steps: int, checkpoint: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import nbshard
+    from torch.distributed.tensor import DTensor
+
     from nbshard.rank import fsdp
 
     nbshard.init_process_group()
     rank, device = dist.get_rank(), nbshard.device()
     torch.manual_seed(0)
 
-    def build() -> torch.nn.Module:
-        blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)]
-        return torch.nn.Sequential(torch.nn.ModuleList(blocks), torch.nn.Linear(64, 1))
-
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.net = build()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4)
+            )
+            self.head = torch.nn.Linear(64, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            layers, head = self.net
-            for layer in layers:
+            for layer in self.layers:
                 x = x + layer(x)
-            return head(x)
+            return self.head(x)
 
     model = fsdp.build_sharded(Model)
     total = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the whole tensor's
-    local = sum(p.to_local().numel() for p in model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     target = torch.nn.Linear(64, 1).to(device)  # a function to learn, the same in every rank
     losses = []

@@ -15,13 +15,14 @@ import resource
 import signal
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nbshard.stacks import BETWEEN_CALLS, STARTING, where_stopped
 
 __all__ = [
     "PACKAGE_DIR",
+    "how_it_ended",
     "JobCancelled",
     "JobError",
     "JobFailed",
@@ -91,6 +92,15 @@ def _pids_max() -> str | None:
 
 def likely_cause(signame: str) -> str:
     return _SIGNAL_CAUSES.get(signame, "it was stopped by a signal")
+
+
+def how_it_ended(code: int, cause: bool = False) -> str:
+    """A process's exit code (negative: the signal that killed it) in words, with the signal's
+    likely cause where ``cause``: \"exited with code 1\", \"was killed by SIGKILL (...)\"."""
+    if code >= 0:
+        return f"exited with code {code}"
+    signame = signal_name(-code)
+    return f"was killed by {signame} ({likely_cause(signame)})" if cause else f"was killed by {signame}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +229,7 @@ class JobError(Exception):
     first; ``run_dir`` holds each rank's complete log.
     """
 
-    def __init__(self, summary: str, failures: list[RankFailure] | tuple[RankFailure, ...] = (), run_dir: str = "") -> None:
+    def __init__(self, summary: str, failures: Sequence[RankFailure] = (), run_dir: str = "") -> None:
         self.summary = summary
         self.failures = tuple(failures)
         self.run_dir = run_dir

@@ -202,8 +202,8 @@ def _validate(job: Job) -> None:
             raise ValueError(f"env sets {key}, which nbshard sets for each rank; use {option} instead")
     if job.cwd is not None and not isinstance(job.cwd, (str, os.PathLike)):
         raise TypeError(f"cwd must be a path, got {type(job.cwd).__name__}")
-    for field, value in (("timeout", job.timeout), ("grace", job.grace), ("sample_interval", job.sample_interval)):
-        check_seconds(field, value, optional=field != "grace")
+    for field, seconds in (("timeout", job.timeout), ("grace", job.grace), ("sample_interval", job.sample_interval)):
+        check_seconds(field, seconds, optional=field != "grace")
     if not isinstance(job.backend, str):
         raise TypeError(f"backend must be a name such as 'subprocess', got {job.backend!r}")
     if not isinstance(job.backend_options, Mapping) or not all(isinstance(k, str) for k in job.backend_options):

@@ -168,7 +168,8 @@ def _reduce_process_local(obj: Any, set_up_again: bool, classes: tuple[tuple[typ
     """
     training_args, accelerate = classes
     if training_args and isinstance(obj, training_args) and any(k in vars(obj) for k in _TRAINING_ARGS_DEVICE_STATE):
-        rebuild, args, state, *_ = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        reduced: Any = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # a tuple: such classes do not reduce to a name
+        rebuild, args, state, *_ = reduced
         state = {k: v for k, v in state.items() if k not in _TRAINING_ARGS_DEVICE_STATE}
         if set_up_again:
             return rebuild, args, state, None, None, _set_up_devices_again

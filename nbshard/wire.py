@@ -139,7 +139,7 @@ class Receiver:
         self.rejected = 0  # frames dropped: unsigned, badly signed, replayed or out of order
         self.replayed = 0  # of those, signed ones whose count was not new
         self._last_seq: dict[str, int] = {}
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._endpoint = bind_private(self._socket, directory)

@@ -75,7 +75,7 @@ def start_cold(run_dir: RunDir, env: Mapping[str, str], cwd: str) -> LauncherPro
         with open_private(run_dir.launcher_log, "wb") as log:
             popen = subprocess.Popen(
                 cold_command("nbshard.launcher", str(run_dir.path)),
-                stdin=channel.launcher_end,
+                stdin=channel.launcher_end.fileno(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -165,7 +165,7 @@ class NodeGroup:
         if why is not None:
             self._lost[index] = why
             node.kill()
-        failed = why is not None or not outcome.succeeded
+        failed = why is not None or outcome is None or not outcome.succeeded
         if failed and self._stopping_for is None and self._asked is None:
             self._stopping_for = index
             for other, peer in enumerate(self.nodes):

@@ -97,16 +97,20 @@ class NodeAgent:
 
     def outcome(self) -> dict[str, Any] | None:
         """The launcher's outcome as JSON (Ray carries plain data; the kernel parses it)."""
-        outcome = node_outcome(self.run_dir)
+        outcome = node_outcome(self.run_dir) if self.run_dir is not None else None
         return None if outcome is None else outcome.to_json()
 
     def rank_files(self) -> dict[str, int]:
+        if self.run_dir is None:  # asked before start() made it
+            return {}
         return {p.name: p.stat().st_size for p in self.run_dir.path.iterdir() if p.name.startswith(RANK_FILES)}
 
     def log(self, rank: int) -> bytes:
         return read_log(self.run_dir, rank) if self.run_dir is not None else b""
 
     def read(self, name: str, offset: int) -> bytes:
+        if self.run_dir is None:
+            return b""
         with open(self.run_dir.path / name, "rb") as file:
             file.seek(offset)
             return file.read(CHUNK)

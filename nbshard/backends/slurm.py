@@ -243,7 +243,7 @@ def _rendezvous(run_dir: RunDir, node_rank: int) -> tuple[str, int]:
     """Node 0 publishes its address and a port free on it; the other nodes read them."""
     published = run_dir.path / "nodes" / "master.json"
     if node_rank == 0:
-        where = {"addr": _node_address(os.environ.get("SLURMD_NODENAME", socket.gethostname())), "port": pick_port(None)}
+        where: dict[str, Any] = {"addr": _node_address(os.environ.get("SLURMD_NODENAME", socket.gethostname())), "port": pick_port(None)}
         write_json(published, where)
         return where["addr"], where["port"]
     deadline = time.monotonic() + MASTER_WAIT

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.backends.channel import Channel
-from nbshard.errors import signal_name
+from nbshard.errors import how_it_ended
 from nbshard.backends.warm_launcher import WarmLauncher, process_state
 from nbshard.files import open_private
 from nbshard.environment import TORCHRUN_VARIABLES, import_time_environment
@@ -102,7 +102,7 @@ class WarmProcess:
         """Why this warm process cannot answer (it exited, or was stopped); None while it can."""
         code = self._popen.poll()
         if code is not None:
-            return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            return how_it_ended(code)
         if process_state(self.pid) in ("T", "t"):
             return "was stopped (SIGSTOP, or a debugger holds it) and cannot answer"
         return None

@@ -13,7 +13,7 @@ import importlib
 import linecache
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["free_names", "run_cell"]
 
@@ -45,7 +45,7 @@ class _Reads(ast.NodeVisitor):
         self._scope(bound, *(g.target for g in node.generators), *(i for g in rest for i in [g.iter]),
                     *(c for g in node.generators for c in g.ifs), *results)
 
-    def visit_ListComp(self, node: ast.ListComp) -> None:
+    def visit_ListComp(self, node: ast.ListComp | ast.SetComp | ast.GeneratorExp) -> None:
         self._comprehension(node, node.elt)
 
     visit_SetComp = visit_ListComp
@@ -115,6 +115,7 @@ def _statement_reads(statement: ast.stmt, bound: set[str]) -> set[str]:
     elif isinstance(statement, (ast.If, ast.While)):
         reads = _reads(statement.test) | _block_reads(statement.body, bound) | _block_reads(statement.orelse, bound)
     elif isinstance(statement, ast.Try) or type(statement).__name__ == "TryStar":
+        statement = cast(ast.Try, statement)  # a TryStar (Python 3.11: except*) has the same fields
         reads = _block_reads(statement.body, bound)
         for handler in statement.handlers:
             reads |= _reads(handler.type)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nbshard.backends import LauncherProcess, WarmLauncher, get_backend, warm
+from nbshard.backends import NodeLauncher, get_backend, warm
 from nbshard.backends.relay import importable_env
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
@@ -113,7 +113,7 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     return JobHandle(job, *launch(job, payload), started=started)
 
 
-def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, LauncherProcess | WarmLauncher, Receiver]:
+def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, NodeLauncher, Receiver]:
     """Start the launcher of ``job`` (its ``payload`` written as the run's job file; ``session``:
     the session fields of the launch spec, for a session); returns (the world size, run dir,
     launcher, the socket its messages arrive on)."""

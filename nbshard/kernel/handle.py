@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from nbshard.backends import LauncherProcess, WarmLauncher
+from nbshard.backends import NodeLauncher, WarmLauncher
 from nbshard.kernel.backlog import LiveBacklog
 from nbshard.kernel import watching
 from nbshard.kernel.debugging import RankDebugger
@@ -58,7 +58,7 @@ class JobHandle:
     """A submitted job: ``result()``, ``done()``, ``cancel()``, ``logs(rank)``."""
 
     def __init__(
-        self, job: Job, world_size: int, run_dir: RunDir, launcher: LauncherProcess | WarmLauncher, receiver: Receiver,
+        self, job: Job, world_size: int, run_dir: RunDir, launcher: NodeLauncher, receiver: Receiver,
         samples: Iterable[dict[str, Any]] = (), drain: bool = True, started: float | None = None,
     ) -> None:
         """``samples``: memory samples known before the job's own (a session's ranks hold memory

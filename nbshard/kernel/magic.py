@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -110,6 +111,13 @@ def _shown_execution_count(shell: Any) -> int:
 
 @magics_class
 class ShardMagics(Magics):
+    @property
+    def _shell(self) -> InteractiveShell:
+        """The IPython shell that registered these magics (``Magics.shell`` is None only before)."""
+        if self.shell is None:
+            raise UsageError("nbshard's magics run in an IPython shell: %load_ext nbshard")
+        return self.shell
+
     @magic_arguments()
     @argument("-n", "--nproc", type=int, default=None, help="number of ranks per node (default: one per visible GPU, or 1)")
     @argument("--nnodes", type=int, default=1, help="number of nodes, each running --nproc ranks (default 1)")
@@ -146,7 +154,7 @@ class ShardMagics(Magics):
             losses = train_loop(model, data)
         """
         args = parse_argstring(self.shard_train, line)
-        shell = self.shell
+        shell = self._shell
         _check_plain_python(shell, cell)
         pull = _names(args.pull)
         if args.session and args.nnodes != 1:
@@ -189,7 +197,7 @@ class ShardMagics(Magics):
     def _job(self, args: Any, line: str, cell: str, pull: list[str], held: set[str]) -> Job:
         """The cell as a job; ``held``: names a session's ranks hold, which win over the
         notebook's (its functions, classes and modules, and ``--push`` names, are shipped)."""
-        user_ns = self.shell.user_ns
+        user_ns = self._shell.user_ns
         pushed = _names(args.push)
         missing = [name for name in pushed if name not in user_ns]
         if missing:
@@ -203,7 +211,7 @@ class ShardMagics(Magics):
         values = {n: user_ns[n] for n in present if n not in modules}
         # Registered in the kernel's linecache, so a rank's traceback shows the cell's lines,
         # the %%shard_train line first; the ranks run a blank line in its place.
-        filename = self.shell.compile.cache(f"%%shard_train {line}".rstrip() + "\n" + cell, _shown_execution_count(self.shell))
+        filename = self._shell.compile.cache(f"%%shard_train {line}".rstrip() + "\n" + cell, _shown_execution_count(self._shell))
         try:
             return Job(
                 run_cell,
@@ -248,7 +256,7 @@ class ShardMagics(Magics):
                     ))
         bound = [name for name in pull if name not in failed]
         for name in bound:
-            self.shell.user_ns[name] = loaded[name] if pull_all else loaded[name][0]
+            self._shell.user_ns[name] = loaded[name] if pull_all else loaded[name][0]
         if bound:
             handle.notes.append(_pulled_note(bound, pull_all))
         return bound, [f"{name}: {failed[name]}" for name in pull if name in failed]

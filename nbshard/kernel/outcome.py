@@ -19,6 +19,7 @@ from nbshard.errors import (
     JobFailed,
     JobTimedOut,
     RankFailure,
+    how_it_ended,
     signal_name,
 )
 from nbshard.files import OpenedDir
@@ -97,7 +98,7 @@ LAUNCHER_LOG_TAIL = 12  # lines of a launcher's own log shown when it ended with
 def _launcher_died(files: OpenedDir, run_dir: RunDir, launcher_exit: int | None) -> str:
     """What to say of a launcher that ended without writing the outcome: killed from outside
     (a signal, an empty log), or failed by itself (its own last lines say how)."""
-    how = f"was killed by {signal_name(-launcher_exit)}" if launcher_exit and launcher_exit < 0 else f"exited with code {launcher_exit}"
+    how = how_it_ended(launcher_exit) if launcher_exit is not None else "ended"
     try:
         lines = files.read_bytes(run_dir.launcher_log).decode(errors="replace").rstrip().splitlines()
     except OSError:

@@ -163,7 +163,8 @@ def _caller_level() -> int:
     warning points at the user's line (a cell magic's: the cell's first line)."""
     ipython = sys.modules.get("IPython")
     skipped = (PACKAGE_DIR, "<decorator-gen-", *([os.path.dirname(ipython.__file__) + os.sep] if ipython and ipython.__file__ else []))
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     return level

@@ -28,7 +28,7 @@ from nbshard.backends import WarmLauncher
 from nbshard.contracts import RunOutcome, Status
 from nbshard.kernel.debugging import PostMortem
 from nbshard.kernel.display import render_html
-from nbshard.errors import JobError, SessionLost, likely_cause, signal_name
+from nbshard.errors import JobError, SessionLost, how_it_ended
 from nbshard.files import mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
@@ -240,13 +240,15 @@ class Session:
                     "calls: drop max_restarts here, or call session.restart() after a failure"
                 )
             options = {k: getattr(target, k) for k in _CALL_OPTIONS} | options
-            target, args = target.fn, target.args
+            fn, args = target.fn, target.args
+        else:
+            fn = target
         unknown = set(options) - _CALL_OPTIONS
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(_CALL_OPTIONS))}")
         grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
-        label = options.pop("name", None) or getattr(target, "__qualname__", None) or repr(target)  # as Job.label
-        return Job(target, args, nproc=self.world_size, grace=grace, name=f"{label} in session {self.name!r}", **options)
+        label = options.pop("name", None) or getattr(fn, "__qualname__", None) or repr(fn)  # as Job.label
+        return Job(fn, args, nproc=self.world_size, grace=grace, name=f"{label} in session {self.name!r}", **options)
 
     def _check_usable(self) -> None:
         if self.lost is not None:
@@ -292,8 +294,7 @@ class Session:
         code = self._launcher.poll()
         if code is None or outcome is not None:  # still up, or it ended as it meant to
             return None
-        how = f"was killed by {signal_name(-code)} ({likely_cause(signal_name(-code))})" if code < 0 else f"exited with code {code}"
-        return f"its launcher {how} before it could stop the ranks itself; its own log is {self._paths.launcher_log}"
+        return f"its launcher {how_it_ended(code, cause=True)} before it could stop the ranks itself; its own log is {self._paths.launcher_log}"
 
     # -- the session's thread ---------------------------------------------------
 

@@ -80,7 +80,7 @@ def charts_of(memory: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]
         charts.append(Chart(f"memory: {cpu_kind if cpu_kind != 'CPU' else 'CPU resident'}", "seconds", cpu, bytes=True))
     if gpu:
         charts.append(Chart("memory: GPU", "seconds", gpu, bytes=True))
-    by_name: dict[str, dict[int, list[tuple[float, float, float]]]] = {}  # name -> rank -> (step, seconds, value)
+    by_name: dict[str, dict[int, list[tuple[float | None, float, float]]]] = {}  # name -> rank -> (step, seconds, value)
     stepless: set[str] = set()  # names with a record that has no step: drawn over seconds
     for record in metrics:
         step, at, rank = record.get("step"), record["time"] - started, record["rank"]
@@ -92,7 +92,7 @@ def charts_of(memory: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]
                 stepless.add(name)
     for name, ranks in by_name.items():
         over_steps = name not in stepless
-        series = {rank: [(float(s) if over_steps else t, v) for s, t, v in points] for rank, points in ranks.items()}
+        series = {rank: [(float(s) if over_steps and s is not None else t, v) for s, t, v in points] for rank, points in ranks.items()}
         charts.append(Chart(name, "step" if over_steps else "seconds", series))
     return charts
 

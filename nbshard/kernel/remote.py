@@ -69,16 +69,16 @@ def _traceback_entry(frame: dict[str, Any]) -> Any:
     first = min(max(int(frame.get("firstlineno") or 1), 1), lineno)
     code = compile("\n" * (lineno - first) + text, filename, "exec")
     name = str(frame["name"])
-    code = code.replace(
-        co_name=name, co_firstlineno=first, **({"co_qualname": name} if hasattr(code, "co_qualname") else {})
-    )
+    names: dict[str, Any] = {"co_name": name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {})}
+    code = code.replace(co_firstlineno=first, **names)
     try:
         exec(code, {"_": _raise_marker})
     except _Marker as marker:
-        entry = marker.__traceback__.tb_next  # skip this function's own frame
-        entry.tb_next = None  # and _raise_marker's
-        return entry
-    raise RuntimeError("unreachable: the compiled code always raises")
+        entry = marker.__traceback__.tb_next if marker.__traceback__ else None  # skip this function's own frame
+        if entry is not None:
+            entry.tb_next = None  # and _raise_marker's
+            return entry
+    raise RuntimeError("unreachable: the compiled code always raises, from a frame below this one")
 
 
 class _KernelModulesOnly(pickle.Unpickler):

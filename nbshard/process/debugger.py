@@ -120,7 +120,7 @@ class RankPdb(_PlainPdb):
 
     def __init__(self, completekey: str = "tab", stdin: Any = None, stdout: Any = None, skip: Any = None,
                  nosigint: bool = False, readrc: bool = True, **kwargs: Any) -> None:
-        console = _Console()
+        console: Any = _Console()  # file-like: what pdb reads and writes
         # No SIGINT handler of pdb's own (a session's interrupt is nbshard's), no .pdbrc of the machine.
         super().__init__(completekey, stdin or console, stdout or console, skip, nosigint=True, readrc=False, **kwargs)
         self.prompt = f"(Pdb rank {_Link.rank}) "

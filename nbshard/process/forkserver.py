@@ -179,7 +179,7 @@ class WarmServer:
         changed = self.modules.changed()
         if changed is not None:
             return {"refused": f"{changed} changed on disk since the warm process imported it", "stale": True}
-        job = {"run_dir": str(request["run_dir"]), "env": dict(request["env"]), "cwd": str(request["cwd"])}
+        job: dict[str, Any] = {"run_dir": str(request["run_dir"]), "env": dict(request["env"]), "cwd": str(request["cwd"])}
         spare = self.take_spare()
         if spare is not None and spare.hand_over(job, fds):
             child, pidfd = spare.pid, spare.pidfd

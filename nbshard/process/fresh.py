@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbshard.procfs import stat_fields
@@ -37,7 +37,7 @@ __all__ = ["MAIN_NAMES", "become_fresh", "cold_command", "finish_fresh", "instal
 MAIN_NAMES = ("__name__", "__doc__", "__package__", "__loader__", "__spec__", "__file__", "__cached__", "__builtins__")
 
 # Signals CPython itself sets at start-up; every other one has its default action.
-_PYTHON_STARTUP_SIGNALS = {
+_PYTHON_STARTUP_SIGNALS: dict[int, Callable[[int, Any], Any] | int] = {
     signal.SIGINT: signal.default_int_handler,
     signal.SIGPIPE: signal.SIG_IGN,
     signal.SIGXFSZ: signal.SIG_IGN,
@@ -76,23 +76,21 @@ def install_stdio(stdio: Sequence[int]) -> None:
     for target, fd in enumerate(stdio):
         if fd != target:
             os.dup2(fd, target)
-    streams = []
-    for fd, (old, mode, name) in enumerate(
-        ((sys.__stdin__, "rb", "<stdin>"), (sys.__stdout__, "wb", "<stdout>"), (sys.__stderr__, "wb", "<stderr>"))
-    ):
+    for fd, (name, mode) in enumerate((("stdin", "rb"), ("stdout", "wb"), ("stderr", "wb"))):
+        old: Any = getattr(sys, f"__{name}__")  # None where the warm process started without it
         raw = io.FileIO(fd, mode, closefd=False)
-        raw.name = name  # type: ignore[misc] - CPython names its std streams so
-        if isinstance(old.buffer, io.RawIOBase):  # python -u or PYTHONUNBUFFERED
-            buffer: io.RawIOBase | io.BufferedIOBase = raw
-        else:
+        raw.name = f"<{name}>"  # CPython names its std streams so
+        buffer: Any = raw
+        if old is None or not isinstance(old.buffer, io.RawIOBase):  # else python -u or PYTHONUNBUFFERED
             buffer = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
         text = io.TextIOWrapper(
-            buffer, encoding=old.encoding, errors=old.errors, newline="\n",
-            line_buffering=old.line_buffering, write_through=old.write_through,
+            buffer, encoding=old.encoding if old else None, newline="\n",
+            errors=old.errors if old else "backslashreplace" if name == "stderr" else None,
+            line_buffering=old.line_buffering if old else False, write_through=old.write_through if old else False,
         )
         text.mode = mode[0]  # type: ignore[misc]
-        streams.append(text)
-    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)
 
 
 def _close_inherited_fds(keep: Mapping[int, int]) -> None:

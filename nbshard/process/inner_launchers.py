@@ -53,7 +53,7 @@ def _patch(module: ModuleType) -> None:
 
 
 def _patch_lightning(module: ModuleType) -> None:
-    launcher = getattr(module, "_MultiProcessingLauncher", None)
+    launcher: Any = getattr(module, "_MultiProcessingLauncher", None)
     launch = getattr(launcher, "launch", None)
     if launch is None or getattr(launch, _PATCHED, False):
         return  # another Lightning than the one this was written against: left as it is
@@ -113,7 +113,7 @@ def _patch_notebook_launcher(module: ModuleType) -> None:
                 os.environ["ACCELERATE_MIXED_PRECISION"] = previous
 
     setattr(notebook_launcher_in_rank, _PATCHED, True)
-    module.notebook_launcher = notebook_launcher_in_rank
+    setattr(module, "notebook_launcher", notebook_launcher_in_rank)
     package = sys.modules.get("accelerate")
     if getattr(package, "notebook_launcher", None) is original:  # imported from it already (a warm rank)
         package.notebook_launcher = notebook_launcher_in_rank  # type: ignore[union-attr]

@@ -58,10 +58,10 @@ class JobLauncher:
             else:
                 self.group.debug.command(line)
 
-    def rank_ended(self, proc: Rank) -> None:
+    def rank_ended(self, proc: Rank, code: int) -> None:
         """A rank returned, or its failure (the first) stops the others."""
         group = self.group
-        proc.ok = proc.returncode == 0 and self.run_dir.result(proc.rank).exists()
+        proc.ok = code == 0 and self.run_dir.result(proc.rank).exists()
         group.log_error(proc)
         if not proc.ok and group.stop_reason is None:
             group.first_failure = proc.rank
@@ -97,6 +97,8 @@ class JobLauncher:
         the restart count the ranks last started with."""
         one_node = self.spec.nnodes == 1
         port = pick_port(self.spec.master_port) if one_node else self.spec.master_port
+        if port is None:
+            raise ValueError("a job of several nodes starts each node's launcher with the port node 0 chose (LaunchSpec.master_port), and this one has none")
         for retry in range(PORT_ATTEMPTS):
             if retry:
                 restart_count += 1

@@ -47,7 +47,7 @@ class Driver(Protocol):
 
     def start_rank(self, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess: ...
     def kernel_input(self, fd: int) -> None: ...
-    def rank_ended(self, proc: Rank) -> None: ...
+    def rank_ended(self, proc: Rank, code: int) -> None: ...
     def marked(self, fd: int, mark: str, target: Any) -> None: ...
     def tick(self, now: float) -> None: ...
     def tag(self, message: dict[str, Any]) -> dict[str, Any]: ...
@@ -61,7 +61,7 @@ class RankGroup:
     def __init__(self, run_dir: RunDir, spec: LaunchSpec, driver: Driver, *, kernel_pidfd: int | None, fork_ranks: bool) -> None:
         self.run_dir, self.spec, self.driver, self.fork_ranks = run_dir, spec, driver, fork_ranks
         self.stream = KernelStream(spec.address, run_dir.key, driver.tag, run_dir.log)
-        self.selector = selectors.DefaultSelector()
+        self.selector: selectors.BaseSelector = selectors.DefaultSelector()
         self.selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
         self.ranks: list[Rank] = []
         self.debug = DebugRelay(self)
@@ -169,13 +169,13 @@ class RankGroup:
 
     def check_exits(self) -> None:
         for proc in self.ranks:
-            if not proc.running or proc.popen.poll() is None:
+            code = proc.popen.poll() if proc.running else None
+            if code is None:
                 continue
-            proc.returncode = proc.popen.returncode
-            proc.ended_at = time.time()
-            signame = signal_name(-proc.returncode) if proc.returncode < 0 else None
-            self.stream.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": proc.returncode, "signal": signame})
-            self.driver.rank_ended(proc)
+            proc.returncode, proc.ended_at = code, time.time()
+            signame = signal_name(-code) if code < 0 else None
+            self.stream.send({"kind": "event", "event": "exited", "rank": proc.rank, "exitcode": code, "signal": signame})
+            self.driver.rank_ended(proc, code)
 
     def to_log(self, proc: Rank, data: bytes) -> None:
         """Append to the rank's log; a log that cannot be kept (a full disk) stops the job, since

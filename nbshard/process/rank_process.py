@@ -23,6 +23,8 @@ class Rank:
         self.rank = rank
         self.popen = popen
         self.log = open_private(log_path, "ab", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: a full disk shows at once
+        if popen.stdout is None or popen.stderr is None:
+            raise ValueError(f"rank {rank} was started without its stdout and stderr piped to the launcher")
         self.pipes = (popen.stdout, popen.stderr)
         self.splitters = {pipe.fileno(): LineSplitter(name) for pipe, name in zip(self.pipes, ("out", "err"))}
         self.open_fds = set(self.splitters)

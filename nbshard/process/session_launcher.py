@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
-from nbshard.errors import likely_cause, signal_name
+from nbshard.errors import how_it_ended
 from nbshard.files import open_private, write_atomic, write_json
 from nbshard.job import POST_MORTEM, RunDir
 from nbshard.process.launcher import FAILURE_GRACE
@@ -142,11 +142,9 @@ class SessionLauncher:
                     self.samples.append(sample)
                 self.answered(target, status)
 
-    def rank_ended(self, proc: Rank) -> None:
+    def rank_ended(self, proc: Rank, code: int) -> None:
         if self.group.stop_reason is None:
-            how = (f"was killed by {signal_name(-proc.returncode)} ({likely_cause(signal_name(-proc.returncode))})"
-                   if proc.returncode < 0 else f"exited with code {proc.returncode}")
-            self.lose(f"rank {proc.rank} {how}", rank=proc.rank)
+            self.lose(f"rank {proc.rank} {how_it_ended(code, cause=True)}", rank=proc.rank)
 
     # -- the kernel's commands ----------------------------------------------
 

@@ -163,13 +163,14 @@ class MappedReader(FileSystemReader):
     compressed) and non-tensor items go through torch's reader."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        mapped, other = [], []
+        mapped: list[Any] = []
+        other: list[Any] = []
         for item in plan.items:
             plain = item.type != LoadItemType.BYTE_IO and not self.storage_data[item.storage_index].transform_descriptors
             (mapped if plain and type(self.fs) is FileSystem else other).append(item)
         if other:
             super().read_data(dataclasses.replace(plan, items=other), planner).wait()
-        files: dict[str, tuple[Any, torch.UntypedStorage]] = {}
+        files: dict[str, tuple[Any, Any]] = {}
         try:
             for item in mapped:
                 stored = self._stored_tensor(item, files)
@@ -185,7 +186,7 @@ class MappedReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _stored_tensor(self, item: Any, files: dict[str, tuple[Any, torch.UntypedStorage]]) -> torch.Tensor:
+    def _stored_tensor(self, item: Any, files: dict[str, tuple[Any, Any]]) -> torch.Tensor:  # (open file, its mapped storage)
         info = self.storage_data[item.storage_index]
         if info.relative_path not in files:
             path = self.fs.concat_path(self.path, info.relative_path)

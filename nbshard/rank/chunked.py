@@ -137,7 +137,7 @@ class _ChunkedLinear(torch.autograd.Function):
             width = min(rows.chunk, rows.per_rank - start)
             g[..., :width] = grad_padded[..., start:start + width]
             g = g.flatten(-2)
-            if grad_x is not None:
+            if grad_x is not None and piece is not None:
                 grad_x += g @ piece.flatten(0, 1)
             if grad_weight is not None:
                 piece_grad = g.reshape(-1, g.shape[-1]).T @ flat_x  # (world * chunk, in)
@@ -209,7 +209,8 @@ def _grad_of(param: nn.Parameter) -> torch.Tensor:
     gradient is added there directly: autograd would make a temporary of the shard's size and add it."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    return param.grad.to_local()
+    grad: Any = param.grad  # a DTensor, as the parameter
+    return grad.to_local()
 
 
 def _gathered_whole(local: torch.Tensor, rows: _Rows) -> torch.Tensor:
@@ -223,6 +224,9 @@ class _ChunkedModule(nn.Module):
 
     _nbshard_rows: _Rows
     _nbshard_dtype: torch.dtype | None
+
+    weight: Any  # DTensors, row-sharded
+    bias: Any
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (torch's name)
         weight = self.weight.to_local()
@@ -251,6 +255,7 @@ def shard_by_rows(modules: list[nn.Module], mesh: DeviceMesh, chunk_bytes: int,
     ``chunk_bytes`` at a time. Tied parameters stay tied. Returns the parameters, which
     FSDP2 must leave alone."""
     converted: dict[int, nn.Parameter] = {}
+    module: Any  # an nn.Linear or nn.Embedding: its weight is a tensor
     for module in modules:
         if not can_chunk(module):
             raise ValueError(f"only plain nn.Linear and nn.Embedding layers can be computed in chunks, not {module!r}")

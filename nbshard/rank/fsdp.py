@@ -70,12 +70,12 @@ def _parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    setattr(nn.Module, "register_parameter", register_on_meta)
     try:
         with torch.random.fork_rng(devices=[]):  # whatever the constructors draw is not counted
             yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        setattr(nn.Module, "register_parameter", register)
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
@@ -197,7 +197,7 @@ def build_sharded(
     return model
 
 
-def _reshard_unless_training(model: nn.Module, args: Any, output: Any) -> None:
+def _reshard_unless_training(model: Any, args: Any, output: Any) -> None:  # an FSDPModule
     """After a forward without gradients (checking a loaded model, evaluating), shard the root's
     own parameters again. FSDP2 keeps a root unsharded after forward for the backward to come;
     after a no-grad forward none comes, so the root would stay unsharded, and an optimizer made
@@ -208,7 +208,8 @@ def _reshard_unless_training(model: nn.Module, args: Any, output: Any) -> None:
 
 
 def _model_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    return {k: v.shape for k, v in get_model_state_dict(model).items()}  # DTensor shapes are global
+    state: dict[str, Any] = get_model_state_dict(model)  # tensors
+    return {k: v.shape for k, v in state.items()}  # DTensor shapes are global
 
 
 def _load_sharded(model: nn.Module, path: str) -> None:
@@ -239,7 +240,7 @@ def full_state_dict(
     litgpt's layers, PEFT's ``merge_and_unload`` in one process) when the base should carry them.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-    state = get_model_state_dict(model, options=options)
+    state: dict[str, Any] = get_model_state_dict(model, options=options)  # tensors
     if dist.get_rank() != 0:
         return None
     if keys_of is not None:
@@ -256,7 +257,7 @@ def save_full(
     Collective. Written a tensor at a time as each is gathered (``nbshard.full_checkpoint``), so
     rank 0 holds its shard and one tensor, not the whole model."""
     options = StateDictOptions(ignore_frozen_params=trainable_only)
-    state = get_model_state_dict(model, options=options)  # this rank's shards: nothing gathered yet
+    state: dict[str, Any] = get_model_state_dict(model, options=options)  # this rank's shards (tensors): nothing gathered yet
     which = {name: names[0] for names in tensor_groups(model).values() for name in names}  # tied keys: one tensor
     entries = [(key, value, which.get(key, key)) for key, value in state.items()]
     if keys_of is not None:

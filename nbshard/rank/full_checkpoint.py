@@ -41,7 +41,7 @@ def write_consolidated(entries: list[tuple[str, torch.Tensor, str]], path: str |
     writer = writer_type(path, entries) if dist.get_rank() == 0 else None
     try:
         for index, full in _gathered(entries):
-            if writer is not None:
+            if writer is not None and full is not None:  # rank 0's
                 writer.write(index, full)
             del full
     except BaseException:
@@ -62,7 +62,7 @@ def _gathered(entries: list[tuple[str, torch.Tensor, str]]) -> Iterator[tuple[in
             continue
         seen.add(which)
         full = gather_to_rank0(tensor) if isinstance(tensor, DTensor) else tensor
-        yield index, _alone(full.detach().to("cpu")) if rank0 else None
+        yield index, _alone(full.detach().to("cpu")) if rank0 and full is not None else None
         del full  # before the next one is gathered
 
 
@@ -194,7 +194,7 @@ class _SafetensorsWriter:
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, index: int, tensor: torch.Tensor) -> None:
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes
         for _ in self._keys_of[index]:
             self._file.write(data)
             self._written += 1

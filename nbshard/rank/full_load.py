@@ -9,6 +9,7 @@ not fit, with the keys named.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -98,6 +99,10 @@ def _ignored(model: nn.Module, patterns: str, key: str) -> bool:
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers, in saved keys
 
 
+def _without(prefix: str, key: str) -> str:
+    return key.removeprefix(prefix)
+
+
 def _match_with_prefixes(template: nn.Module, stored: dict[str, tuple[torch.Size, torch.dtype]]) -> tuple[dict[str, str], dict[str, str]]:
     """``match_keys`` with the checkpoint's keys as they are, or with the model's base prefix added
     or removed (as Hugging Face's ``from_pretrained`` does: GPT-2 ships without ``transformer.``),
@@ -108,7 +113,7 @@ def _match_with_prefixes(template: nn.Module, stored: dict[str, tuple[torch.Size
     if isinstance(prefix, str) and prefix:
         renamings += [lambda key: key if key.startswith(f"{prefix}.") else f"{prefix}.{key}",
                       lambda key: key.removeprefix(f"{prefix}.")]
-    renamings += [lambda key, wrapper=wrapper: key.removeprefix(wrapper) for wrapper in _WRAPPER_PREFIXES]
+    renamings += [functools.partial(_without, wrapper) for wrapper in _WRAPPER_PREFIXES]
     best: tuple[dict[str, str], dict[str, str]] = ({}, {key: key for key in stored})
     for rename in renamings:
         renamed = {key: rename(key) for key in stored}

@@ -11,7 +11,7 @@ scatters each parameter to its shards; no rank holds more than its shard and one
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ def _initializer(template: nn.Module) -> Callable[[nn.Module], None] | None:
     return init_weights
 
 
-def _init_groups(template: nn.Module, units: list[list[nn.Module]], whole_units: bool) -> list[list[nn.Module]]:
+def _init_groups(template: nn.Module, units: Sequence[Sequence[nn.Module]], whole_units: bool) -> list[list[nn.Module]]:
     """The modules rank 0 initializes together, in the order the model registers them: each module
     alone, or with ``whole_units`` each unit's modules together (a model's own init may set a
     descendant's parameters: GPT-2's attention and MLP scale their ``c_proj``)."""
@@ -49,19 +49,19 @@ def _init_groups(template: nn.Module, units: list[list[nn.Module]], whole_units:
     groups: list[list[nn.Module]] = []
     started: dict[int, list[nn.Module]] = {}
     for module in template.modules():
-        index = unit_of.get(id(module))
-        if index is None:
+        unit_index = unit_of.get(id(module))
+        if unit_index is None:
             groups.append([module])
-        elif index in started:
-            started[index].append(module)
+        elif unit_index in started:
+            started[unit_index].append(module)
         else:
-            started[index] = [module]
-            groups.append(started[index])
+            started[unit_index] = [module]
+            groups.append(started[unit_index])
     return groups
 
 
 def init_from_rank0(
-    model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None, units: list[list[nn.Module]] = ()
+    model: nn.Module, template: nn.Module, seed: int, only: set[str] | None = None, units: Sequence[Sequence[nn.Module]] = ()
 ) -> None:
     """Rank 0 initializes one module (or, for a model with its own ``_init_weights``, one unit) at a
     time and scatters it (``only``: just those keys)."""
@@ -96,7 +96,8 @@ def init_from_rank0(
                     target = targets[key]
                     if id(target) in done or id(target) not in wanted:  # a tied parameter keeps its first owner's values
                         continue
-                    scatter_into(target, module._parameters[name].detach() if rank == 0 else None)
+                    source: Any = module._parameters[name]
+                    scatter_into(target, source.detach() if rank == 0 else None)
                     done.add(id(target))
             for module in group:
                 module.to_empty(device="meta", recurse=False)  # rank 0 lets go of them
@@ -120,13 +121,13 @@ def _initialize(group: list[nn.Module], names_of: dict[int, dict[str, str]], ini
     for module in group:
         module.to_empty(device="cpu", recurse=False)
         for name, key in names_of[id(module)].items():
-            param = module._parameters[name]
+            param: Any = module._parameters[name]  # registered: the template names only parameters it has
             if param.is_floating_point():
                 param.fill_(float("nan"))  # what no initializer writes stays NaN, and is named
             materialized.append((key, param))
     for module in group:
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+        if callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
     if init_weights is not None:
         for module in reversed(group):  # a module comes after its parent in registration order
             init_weights(module)
@@ -134,7 +135,7 @@ def _initialize(group: list[nn.Module], names_of: dict[int, dict[str, str]], ini
     return [key for key, param in materialized if param.is_floating_point() and param.sum().isnan()]
 
 
-def _same_modules_in(template: nn.Module, model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+def _same_modules_in(template: nn.Module, model: nn.Module, units: Sequence[Sequence[nn.Module]]) -> list[list[nn.Module]]:
     """``units`` (modules of ``model``) as the modules of ``template``, its copy, at the same names."""
     name_of = {id(module): name for name, module in model.named_modules()}
     in_template = dict(template.named_modules())

@@ -10,6 +10,8 @@ update to its shard of the base weight: no rank holds more than one layer's upda
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -20,7 +22,7 @@ from nbshard.rank.chunked import row_span
 __all__ = ["merge_lora"]
 
 
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
+def _lora_layers(model: nn.Module) -> list[Any]:  # litgpt's LoRA layers: their attributes are theirs
     """litgpt's LoRA layers (``LoRALinear``, ``LoRAQKVLinear``): a base ``linear``, ``lora_A``,
     ``lora_B``, ``get_lora_AB()`` and a ``merged`` flag."""
     return [
@@ -54,9 +56,9 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
-def _whole_update(layer: nn.Module) -> torch.Tensor:
+def _whole_update(layer: Any) -> torch.Tensor:
     """``B @ A * scaling`` as the layer computes it, from its A and B gathered whole."""
-    sharded = {name: layer._parameters[name] for name in ("lora_A", "lora_B")}
+    sharded: dict[str, Any] = {name: layer._parameters[name] for name in ("lora_A", "lora_B")}
     try:
         for name, param in sharded.items():
             whole = param.full_tensor() if isinstance(param, DTensor) else param
