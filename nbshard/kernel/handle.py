@@ -7,7 +7,6 @@ its exception. Nothing here imports torch.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from nbshard.backends import NodeLauncher, WarmLauncher
 from nbshard.kernel.backlog import LiveBacklog
 from nbshard.kernel import watching
 from nbshard.kernel.debugging import RankDebugger
+from nbshard.kernel.feed import JobFeed
 from nbshard.contracts import Attempt, RunOutcome
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity, read_json
@@ -63,7 +63,7 @@ class JobHandle:
     ) -> None:
         """``samples``: memory samples known before the job's own (a session's ranks hold memory
         already), shown from the start. ``drain``: a thread of the handle's own reads ``receiver``;
-        without it, the owner hands each message to ``_on_message`` and calls ``_finish`` (a
+        without it, the owner hands each message to ``_feed.on_message`` and calls ``_finish`` (a
         session's one thread does, for call after call). ``started``: when the job was submitted
         (before its launch, during which a quick job may run whole), now by default."""
         self.job = job
@@ -85,8 +85,6 @@ class JobHandle:
         """Why this launch is cold when a warm one was asked for (also shown with the output)."""
         if self.launch_note:
             self._live.note(self.launch_note)
-        self._reported_drops: collections.Counter[int] = collections.Counter()
-        self._received_lines: collections.Counter[int] = collections.Counter()
         self._done = threading.Event()
         self._value: Any = None
         self._exception: JobError | None = None
@@ -102,8 +100,8 @@ class JobHandle:
         for sample in samples:
             self._telemetry.add(sample)
         self._all_metrics: list[dict[str, Any]] | None = None  # read from disk once the job ended
-        self._storage_error: str | None = None  # why the launcher could not write the run's files, if it said
         self._debugger = RankDebugger(self._answer_debugger)
+        self._feed = JobFeed(run_dir, self._live, self._telemetry, self._stage, self._debugger)
         with _running_lock:
             _running.add(self)
         if drain:
@@ -300,60 +298,13 @@ class JobHandle:
 
     # -- the background thread ----------------------------------------------
 
-    def _on_message(self, message: dict[str, Any]) -> bool:
-        """Record one message; True for the launcher's last one."""
-        kind = message.get("kind")
-        if kind == "lines":
-            rank, texts = message["rank"], message["text"].split("\n")
-            self._received_lines[rank] += len(texts)
-            self._live.lines(rank, message["stream"], texts, message["open"])
-            self._telemetry.last_line(rank, texts[-1])
-        elif kind in ("sample", "metrics"):
-            self._telemetry.add(message)
-        elif kind == "dropped":
-            self._note_dropped(message["rank"], message["count"])
-        elif kind == "event" and message.get("event") == "note":
-            if not self._debugger.say(str(message["text"])):  # the reader waits in input(): shown now
-                self._live.note(str(message["text"]))
-        elif kind == "debug":
-            self._debugger.arrived(message)
-            self._live.wake()
-        self._stage.follow(message)
-        if kind == "end":
-            self._storage_error = message.get("storage_error")
-        return kind == "end"
-
-    def _note_dropped(self, rank: int, count: int) -> None:
-        self._reported_drops[rank] += count
-        self._live.note(
-            f"{count} lines of rank {rank} were not shown live because the kernel read too "
-            f"slowly; the full log is {self._paths.log(rank)}"
-        )
-
-    def _note_unreported_drops(self, outcome: RunOutcome | None) -> None:
-        """The launcher's final tally, in case its last notices could not reach the kernel, and
-        lines it sent that never arrived (it exited before a slow kernel had read them)."""
-        if outcome is None:
-            return
-        for rank, total in outcome.dropped_lines.items():
-            missing = total - self._reported_drops[rank]
-            if missing > 0:
-                self._note_dropped(rank, missing)
-        for rank, sent in outcome.lines_sent.items():
-            lost = sent - self._received_lines[rank]
-            if lost > 0:
-                self._live.note(
-                    f"the last {lost} lines of rank {rank} were not shown live: the launcher exited before "
-                    f"the kernel had read them; the full log is {self._paths.log(int(rank))}"
-                )
-
     def _drain(self) -> None:
         end_seen = False
         exited_at: float | None = None
         try:
             while True:
                 for message in self._receiver.receive(0.05):
-                    end_seen |= self._on_message(message)
+                    end_seen |= self._feed.on_message(message)
                 if end_seen:  # the launcher's last word: wait for its exit, not for the next tick
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         self._launcher.wait(END_MESSAGE_WAIT)
@@ -366,7 +317,7 @@ class JobHandle:
                         until = time.monotonic() + END_MESSAGE_WAIT
                         while time.monotonic() < until and (messages := self._receiver.receive(0)):
                             for message in messages:
-                                self._on_message(message)
+                                self._feed.on_message(message)
                         break
                 elif now > self._kill_at:
                     self._launcher.kill()
@@ -378,22 +329,11 @@ class JobHandle:
     _results_removed_later = False  # a session's call removes its result files after waking its caller
     _last_samples_in_files = True  # a session's ranks answer each call with their sample instead
 
-    def _add_last_samples(self, files: OpenedDir) -> None:
-        """Each rank's last sample (its peaks at the end) from its file, where the wire dropped it."""
-        for rank in range(self.world_size):
-            path = self._paths.last_sample(rank)
-            if not files.exists(path):
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                sample = files.read_json(path)
-                if isinstance(sample, dict) and isinstance(sample.get("time"), (int, float)) and sample["time"] > self._telemetry.last_time(rank):
-                    self._telemetry.add(sample)
-
     def _collect(self, files: OpenedDir, outcome: RunOutcome | None) -> tuple[Any, JobError | None]:
         """The job's value or its exception, from its run directory."""
         return collect(
             files, self._paths, outcome, world_size=self.world_size, return_all=self.job.return_all,
-            timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._storage_error,
+            timeout=self.job.timeout, launcher_exit=self._launcher.poll(), storage_error=self._feed.storage_error,
             remove_later=self._results_removed_later, sent=self._values_sent(),
         )
 
@@ -408,10 +348,10 @@ class JobHandle:
         try:
             with OpenedDir(self._paths.path, self._identity) as files:
                 outcome = self._read_outcome(files)  # read once: for the drop tally and the result
-                self._note_unreported_drops(outcome)
+                self._feed.note_unreported_drops(outcome)
                 self.attempts = list(outcome.attempts) if outcome else []
                 if self._last_samples_in_files:
-                    self._add_last_samples(files)
+                    self._feed.add_last_samples(files, self.world_size)
                 self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))

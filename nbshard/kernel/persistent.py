@@ -32,8 +32,9 @@ from nbshard.errors import JobError, SessionLost, how_it_ended
 from nbshard.files import mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
+from nbshard.kernel.session_options import call_job, check_session_options, one_machine_only
 from nbshard.kernel.plots import Plot, charts_of
-from nbshard.job import POST_MORTEM, Job, RunDir, check_seconds
+from nbshard.job import POST_MORTEM, Job, RunDir
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
 from nbshard.kernel.telemetry import Telemetry
@@ -43,20 +44,6 @@ __all__ = ["Session", "SessionBusy", "session", "sessions"]
 DEFAULT_INTERRUPT_GRACE = 5.0  # seconds every rank has to leave an interrupted call
 INLINE_MAX = 16 * 1024  # bytes: a call's job up to this size travels in its line (the ranks' pipes hold 64 KiB)
 CLOSE_MARGIN = 5.0  # past the launcher's own stop deadlines, close() SIGKILLs its process group
-_SESSION_OPTIONS = {"nproc", "gpus", "env", "cwd", "backend", "grace", "sample_interval", "master_port", "debug_ranks"}
-_CALL_OPTIONS = {"kwargs", "timeout", "return_all", "show_ranks", "pickle_by_value", "name"}
-
-_NODE_BACKENDS = {"ray", "slurm"}  # a launcher per node, reached through the engine: jobs only
-
-
-def _one_machine_only(backend: str) -> str:
-    return (
-        f"a session runs its ranks on this machine, under one launcher that only this kernel talks to; "
-        f"backend={backend!r} starts a launcher per node through an engine, which runs jobs, not sessions. "
-        f"Run that work as a job (nbshard.run(fn, backend={backend!r}, nnodes=...)), or start the session "
-        "without backend= (its ranks here)."
-    )
-
 
 _sessions: dict[str, Session] = {}
 _sessions_lock = threading.Lock()
@@ -94,7 +81,7 @@ class Session:
             self._launcher.kill()
             self._launcher.close()
             self._receiver.close()
-            raise ValueError(_one_machine_only(self._options.get("backend", "?")))
+            raise ValueError(one_machine_only(self._options.get("backend", "?")))
         mkdir_private(self.run_dir / "calls", exist_ok=True)
         self.pid = self._launcher.pid
         self.warm = isinstance(self._launcher, WarmLauncher)
@@ -140,7 +127,8 @@ class Session:
 
     def submit(self, target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> JobHandle:
         """Start ``target(*args)`` in every rank and return its handle at once (one call at a time)."""
-        job = self._call_job(target, args, options)
+        grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
+        job = call_job(target, args, options, session=self.name, world_size=self.world_size, grace=grace)
         payload = pickled_job(job)
         with self._lock:
             self._check_usable()
@@ -220,35 +208,6 @@ class Session:
         handle = self.submit(target, *args, **options)
         handle.watch()
         return handle.result()
-
-    def _call_job(self, target: Job | Callable[..., Any], args: tuple[Any, ...], options: dict[str, Any]) -> Job:
-        session_wide = set(options) & _SESSION_OPTIONS
-        if session_wide:
-            raise TypeError(
-                f"{', '.join(sorted(session_wide))}: set when the session starts (nbshard.session(...)), "
-                f"not per call; a call takes {', '.join(sorted(_CALL_OPTIONS))}"
-            )
-        if isinstance(target, Job):
-            if target.profile:
-                raise TypeError(
-                    "profile=True profiles a job's ranks from start to end; a session's calls are not profiled: "
-                    "run the code as a job (nbshard.run(fn, profile=True)), or use torch.profiler inside the call"
-                )
-            if target.max_restarts:
-                raise TypeError(
-                    "max_restarts starts a failed job's ranks again, but a session keeps its ranks between "
-                    "calls: drop max_restarts here, or call session.restart() after a failure"
-                )
-            options = {k: getattr(target, k) for k in _CALL_OPTIONS} | options
-            fn, args = target.fn, target.args
-        else:
-            fn = target
-        unknown = set(options) - _CALL_OPTIONS
-        if unknown:
-            raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(_CALL_OPTIONS))}")
-        grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
-        label = options.pop("name", None) or getattr(fn, "__qualname__", None) or repr(fn)  # as Job.label
-        return Job(fn, args, nproc=self.world_size, grace=grace, name=f"{label} in session {self.name!r}", **options)
 
     def _check_usable(self) -> None:
         if self.lost is not None:
@@ -345,11 +304,11 @@ class Session:
             if kind == "sample":
                 self._last_samples[message["rank"]] = message
             if running:
-                current._on_message(message)  # type: ignore[union-attr]
+                current._feed.on_message(message)  # type: ignore[union-attr]
         elif running and call == current._paths.path.name:  # type: ignore[union-attr]
             for sample in message.get("samples", ()) if kind == "end" else ():  # what each rank holds after the call
                 self._route(sample)
-            if current._on_message(message):  # type: ignore[union-attr]
+            if current._feed.on_message(message):  # type: ignore[union-attr]
                 current._end(message.get("outcome"), message.get("values"))  # type: ignore[union-attr]
         elif (kind == "debug" or message.get("event") == POST_MORTEM) and self._post_mortem is not None:
             self._post_mortem.arrived(message)
@@ -393,14 +352,7 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
     as for ``nbshard.run``) unless this kernel has it already (a lost one stays lost until its
     ``restart()`` or ``close()``); ``interrupt_grace``: seconds each rank has to leave an
     interrupted call before the session is lost."""
-    unknown = set(options) - _SESSION_OPTIONS
-    if unknown:
-        raise TypeError(f"unknown session option(s) {', '.join(sorted(unknown))}; a session takes {', '.join(sorted(_SESSION_OPTIONS))}")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a session's name is a non-empty string, got {name!r}")
-    check_seconds("interrupt_grace", interrupt_grace)
-    if options.get("backend") in _NODE_BACKENDS:
-        raise ValueError(_one_machine_only(options["backend"]))
+    check_session_options(name, interrupt_grace, options)
     with _sessions_lock:
         existing = _sessions.get(name)
         if existing is not None:  # running, diverged or lost: lost stays lost until restart() or close()
