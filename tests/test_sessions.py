@@ -233,7 +233,7 @@ def test_small_values_come_back_in_the_ranks_answers_large_ones_as_files(session
 def test_values_too_large_for_the_kernels_channel_come_as_files_the_launcher_writes():
     # Four ranks' values, each small enough for its answer, together over what the launcher sends
     # on the kernel's channel: the end goes on the wire and the values as result files.
-    from nbshard.process.session_launcher import REPLY_MAX
+    from nbshard.process.kernel_stream import REPLY_MAX
     from nbshard.process.session_rank import VALUE_INLINE_MAX
 
     assert 4 * (VALUE_INLINE_MAX - 200) * 4 // 3 > REPLY_MAX  # in base64
@@ -252,7 +252,7 @@ def test_values_too_large_for_the_kernels_channel_come_as_files_the_launcher_wri
 def test_a_busy_session_refuses_a_second_call_and_restart_gives_new_ranks(session):
     pids, first_run_dir = session.run(jobs.pid, return_all=True), session.run_dir
     handle = session.submit(jobs.sleep_long)
-    with pytest.raises(nbshard.SessionBusy, match="one call runs at a time"):
+    with pytest.raises(nbshard.SessionBusy, match=r"^sleep_long in session .* is still running, and a session runs one call at a time"):
         session.submit(jobs.pid)
     session.restart()  # interrupts the call first
     assert isinstance(handle.exception(), nbshard.JobCancelled)

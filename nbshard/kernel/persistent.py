@@ -134,7 +134,7 @@ class Session:
             self._check_usable()
             if self._current is not None and not self._current.done():
                 raise SessionBusy(
-                    f"session {self.name!r} is still running {self._current.job.label}: one call runs at a time. "
+                    f"{self._current.job.label} is still running, and a session runs one call at a time. "
                     "Wait for it (handle.result()) or interrupt it (handle.cancel())."
                 )
             call_dir, self._ready_dir = self._ready_dir or self._new_call_dir(), None
@@ -161,7 +161,7 @@ class Session:
             self._check_usable()
             current = self._current
             if current is not None and not current.done():
-                raise SessionBusy(f"session {self.name!r} is running {current.job.label}; debug it once it ended")
+                raise SessionBusy(f"{current.job.label} is still running; debug the last error once it ended")
             raised = [f.rank for f in (current._exception.failures if current and current._exception else ()) if f.exc_type]
             if not raised:
                 raise ValueError(f"session {self.name!r}: its last call raised nowhere, so no rank kept an error to debug")

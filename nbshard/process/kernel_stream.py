@@ -3,11 +3,15 @@
 ``KernelStream`` owns the launcher's signed ZeroMQ socket (opened when first used: ZeroMQ's
 threads must not exist when the launcher forks ranks) and counts, per rank, the lines it
 queued for the kernel and the lines the kernel was too slow to take, so the kernel can tell
-what never arrived and say where the whole log is.
+what never arrived and say where the whole log is. A session's launcher also answers each
+call's end on the kernel's own channel (``reply``), after the lines before it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +19,7 @@ from typing import Any
 
 from nbshard.wire import Sender
 
-__all__ = ["COALESCE", "COALESCE_BYTES", "KernelStream"]
+__all__ = ["COALESCE", "COALESCE_BYTES", "REPLY_MAX", "KernelStream"]
 
 # How long a rank's finished lines may wait to travel with the next ones, and how many bytes of
 # them at most (the kernel may hold a thousand messages queued): a flood goes as a message a
@@ -23,6 +27,7 @@ __all__ = ["COALESCE", "COALESCE_BYTES", "KernelStream"]
 # message) could not keep up with, and lines would be dropped from the live view.
 COALESCE = 0.001
 COALESCE_BYTES = 1 << 14
+REPLY_MAX = 1 << 16  # bytes: a larger end (stacks of a lost session) goes on the wire
 
 
 def _lines_message(rank: int, now: float, stream: str, texts: list[str], is_open: bool) -> dict[str, Any]:
@@ -43,6 +48,7 @@ class KernelStream:
         self.dropped: dict[int, int] = {}  # lines not streamed and not yet reported, by rank
         self.dropped_total: dict[int, int] = {}
         self.lines_sent: dict[int, int] = {}  # queued for the kernel, by rank: it can tell what never arrived
+        self.back: socket.socket | None = None  # the kernel's own channel, once it asked for replies on it
 
     @property
     def sender(self) -> Sender:
@@ -110,6 +116,37 @@ class KernelStream:
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         for rank, now, stream, texts in pending:
             self._send(_lines_message(rank, now, stream, texts, False), rank, len(texts))
+
+    def reply_on(self, fd: int) -> None:
+        """Send each call's end on ``fd`` (a session's stdin: the kernel holds its other end, a hop
+        shorter than the wire); where ``fd`` is not a socket (a pipe), ends keep to the wire."""
+        copy = os.dup(fd)
+        try:
+            self.back = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+
+    def reply(self, message: dict[str, Any]) -> bool:
+        """``message`` on the kernel's channel, after the lines still waiting; False where it cannot
+        go there at once and whole (the wire carries it): the launcher never waits for the kernel."""
+        if self.back is None:
+            return False
+        self.flush_lines()
+        sender = self.sender
+        data = json.dumps({**self.tag(message), "from": sender.id, "after": sender.sent}, separators=(",", ":")).encode() + b"\n"
+        if len(data) > REPLY_MAX:
+            return False
+        try:
+            sent = self.back.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            sent = 0
+        if sent < len(data):  # the kernel is gone, or its end is full: a torn line is never read as a reply
+            self.back.close()
+            self.back = None
+            return False
+        return True
 
     def wait_for_lines(self) -> float:
         """Seconds until the waiting lines are due (0: now; ``inf`` when none wait)."""

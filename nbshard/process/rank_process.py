@@ -8,12 +8,13 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from nbshard.files import open_private
 from nbshard.process.forking import ForkedProcess
 from nbshard.process.lines import LineSplitter
 
-__all__ = ["Rank"]
+__all__ = ["CallLog", "Rank"]
 
 
 class Rank:
@@ -90,3 +91,21 @@ class Rank:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+class CallLog:
+    """A rank's log for one call, made when the rank first writes in it: a call that prints
+    nothing costs no file (``handle.logs(rank)`` reads a missing log as empty)."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self._file: Any = None
+
+    def write(self, data: bytes) -> int:
+        if self._file is None:
+            self._file = open_private(self.name, "ab", buffering=0)  # unbuffered: a full disk shows at once
+        return self._file.write(data)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

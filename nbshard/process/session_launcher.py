@@ -27,54 +27,23 @@ import os
 import select
 import selectors
 import signal
-import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import how_it_ended
-from nbshard.files import open_private, write_atomic, write_json
+from nbshard.files import write_atomic, write_json
 from nbshard.job import POST_MORTEM, RunDir
 from nbshard.process.launcher import FAILURE_GRACE
 from nbshard.process.rank_group import RankGroup
-from nbshard.process.rank_process import Rank
+from nbshard.process.rank_process import CallLog, Rank
 from nbshard.ports import pick_port
 from nbshard.process.session_rank import PIPES_ENV
 
 __all__ = ["SessionLauncher"]
 
 REPLIED = "replied"  # the selector's mark for a rank's answer pipe: (REPLIED, rank)
-REPLY_MAX = 1 << 16  # bytes: a larger end (stacks of a lost session) goes on the wire
-
-
-class CallLog:
-    """A rank's log for one call, made when the rank first writes in it: a call that prints
-    nothing costs no file (``handle.logs(rank)`` reads a missing log as empty)."""
-
-    def __init__(self, path: Path) -> None:
-        self.name = str(path)
-        self._file: Any = None
-
-    def write(self, data: bytes) -> int:
-        if self._file is None:
-            self._file = open_private(self.name, "ab", buffering=0)  # unbuffered: a full disk shows at once
-        return self._file.write(data)
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _socket_of(fd: int) -> socket.socket | None:
-    """A socket object over (a copy of) ``fd``; None where it is not a socket (a pipe: the wire it is)."""
-    copy = os.dup(fd)
-    try:
-        return socket.socket(fileno=copy)
-    except OSError:
-        os.close(copy)
-        return None
 
 
 class SessionLauncher:
@@ -97,7 +66,6 @@ class SessionLauncher:
         self.lost_why: str | None = None
         self.session_logs: dict[int, Any] = {}
         self.ready: set[int] = set()  # ranks that handle an interrupt themselves (before, SIGINT would kill them)
-        self.back: socket.socket | None = None  # the kernel's channel, once it asked for replies on it
 
     # -- ranks and their pipes --------------------------------------------
 
@@ -163,7 +131,7 @@ class SessionLauncher:
             elif command == "close":
                 self.close_session()
             elif command == "replies":
-                self.back = _socket_of(sys.stdin.fileno())
+                self.group.stream.reply_on(sys.stdin.fileno())
             elif command == POST_MORTEM and self.call is None and int(words[0]) in self.commands:
                 os.write(self.commands[int(words[0])], f"{POST_MORTEM}\n".encode())
 
@@ -276,7 +244,7 @@ class SessionLauncher:
         # the ranks hold after the call and need not wait for files; the outcome file (written next)
         # is the record, and what the kernel reads when the message is late or lost.
         record, end = self.ending(status, diverged, samples)
-        if not self.reply({**end, "values": self.values}):
+        if not self.group.stream.reply({**end, "values": self.values}):
             if not self.write_values():  # a full disk: the call's outcome says so
                 record, end = self.ending(status, diverged, samples)
             self.group.stream.send(end)
@@ -286,28 +254,6 @@ class SessionLauncher:
             proc.log = self.session_logs.pop(proc.rank)
         self.call = self.call_dir = None
         self.call_deadline = self.leave_by = float("inf")
-
-    def reply(self, message: dict[str, Any]) -> bool:
-        """``message`` on the kernel's channel, after the lines still waiting; False where it cannot
-        go there at once and whole (the wire carries it): the launcher never waits for the kernel."""
-        if self.back is None:
-            return False
-        self.group.stream.flush_lines()
-        sender = self.group.stream.sender
-        data = json.dumps({**self.tag(message), "from": sender.id, "after": sender.sent}, separators=(",", ":")).encode() + b"\n"
-        if len(data) > REPLY_MAX:
-            return False
-        try:
-            sent = self.back.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            sent = 0
-        if sent < len(data):  # the kernel is gone, or its end is full: a torn line is never read as a reply
-            self.back.close()
-            self.back = None
-            return False
-        return True
 
     def ending(self, status: Status, diverged: bool, samples: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The call's outcome record, and the end message that carries it."""
