@@ -111,6 +111,12 @@ def describe_unpicklable(found: tuple[str, Any, Exception], what: str, hint: str
     path, obj, error = found
     if isinstance(error, ProcessLocalState):
         hint = ""  # its own message says what to do
+    elif isinstance(error, RecursionError) or "recursion" in str(error):
+        hint = (
+            "Likely cause: it nests deeper than pickle can follow (a list in a list in a list ..., or a long "
+            f"linked chain of objects; Python's recursion limit here is {sys.getrecursionlimit()}). What to do: "
+            "flatten it (one list of the items), or raise the limit with sys.setrecursionlimit() on both sides."
+        )
     return f"{what}: {path} (a {type(obj).__module__}.{type(obj).__qualname__}) cannot be pickled: {error}. {hint}"
 
 

@@ -67,6 +67,17 @@ def test_an_unpicklable_result_is_named():
         dump_result({"lock": threading.Lock()})
 
 
+def test_a_value_nested_deeper_than_pickle_follows_says_so_both_ways():
+    nested: list = []
+    for _ in range(sys.getrecursionlimit() * 20):
+        nested = [nested]
+    with pytest.raises(TypeError, match=r"nests deeper than pickle can follow.*sys.setrecursionlimit") as caught:
+        dump_result(nested)
+    assert "tied to the rank's process" not in str(caught.value)  # not a lock or a file
+    with pytest.raises(TypeError, match=r"nests deeper than pickle can follow"):
+        dump_job(len, (nested,), {})
+
+
 def test_result_tensors_come_back_equal_in_every_shape_and_kind():
     import torch
 
