@@ -54,6 +54,16 @@ def exit_hard(rank, code):
     time.sleep(60)
 
 
+def remove_own_run_dir():
+    """Rank 0 deletes the run's directory (its files, the other rank's logs) while the job runs."""
+    import shutil
+
+    if os.environ["RANK"] == "0":
+        shutil.rmtree(os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"]))
+    time.sleep(0.5)
+    return "removed"
+
+
 def sleep_forever(message="working"):
     print(message, flush=True)
     while True:

@@ -176,3 +176,13 @@ def test_launcher_killed_takes_the_ranks_along_and_the_job_fails():
     with pytest.raises(nbshard.JobFailed, match="launcher was killed by SIGKILL"):
         handle.result(timeout=10)
     assert not wait_until_gone(handle.run_dir, within=5.0)
+
+
+def test_a_job_that_deletes_its_run_directory_ends_saying_so_and_leaves_nothing_running():
+    started = time.monotonic()
+    handle = nbshard.submit(programs.remove_own_run_dir, nproc=2)
+    with pytest.raises(nbshard.JobError, match="the run directory .* is gone or was replaced") as caught:
+        handle.result(timeout=30)
+    assert time.monotonic() - started < 15
+    assert "full log is in" not in str(caught.value)  # its logs went with it
+    assert not wait_until_gone(handle.run_dir, within=5.0)

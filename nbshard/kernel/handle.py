@@ -354,7 +354,8 @@ class JobHandle:
                     self._feed.add_last_samples(files, self.world_size)
                 self._value, self._exception = self._collect(files, outcome)
         except RunDirReplaced as error:
-            self._exception = JobError(f"nbshard could not read the outcome of the run: {error}", run_dir=str(self.run_dir))
+            # Its logs went with it (or are another run's): no "full log is in" pointing there.
+            self._exception = JobError(f"nbshard could not read the outcome of the run: {error}")
         except Exception as error:  # noqa: BLE001 - a broken run dir must still end the handle
             self._exception = JobError(f"nbshard could not read the outcome of the run: {error!r}", run_dir=str(self.run_dir))
         self.status = _status_of(self._exception)
