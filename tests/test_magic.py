@@ -62,6 +62,17 @@ def test_pull_all_gives_a_list_indexed_by_rank(notebook):
     assert notebook.execute("print(square)").stdout.strip() == "[1, 2]"
 
 
+def test_a_pulled_name_the_cell_never_assigned_fails_the_pull_not_the_cell(notebook, tmp_path):
+    (tmp_path / "markers").mkdir()
+    marker = str(tmp_path / "markers" / "marker")
+    result = notebook.execute(f"%%shard_train --nproc 2 --pull done,typo\nopen(f'{marker}-{{rank}}', 'w').close()\ndone = rank + 1")
+    assert result.status == "error" and result.error["ename"] == "PullFailed", result.traceback
+    assert "typo: the cell never assigned it in this rank" in result.traceback
+    assert "Pulled done into the notebook" in result.traceback
+    assert notebook.execute("print(done)").stdout.strip() == "1"
+    assert sorted(p.name for p in (tmp_path / "markers").iterdir()) == ["marker-0", "marker-1"]  # the cell ran to its end in both ranks
+
+
 def test_a_pulled_name_that_cannot_travel_costs_only_itself(notebook):
     result = notebook.execute(
         "%%shard_train --nproc 2 --pull before,lock,after\n"
@@ -171,6 +182,9 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
         ("%%shard_train --grace nan\npass", "grace must be a positive, finite number of seconds"),
         ("%%shard_train --timeout inf\npass", "timeout must be a positive, finite number of seconds"),
         ("%%shard_train --session s --grace nan\npass", "grace must be a positive, finite number of seconds"),
+        ("%%shard_train --pull 1x\nx = 1", "--pull 1x: not a Python name a cell can assign"),
+        ("%%shard_train --pull 'a b'\nx = 1", "--pull 'a: not a Python name a cell can assign (quotes are kept as typed"),
+        ("%%shard_train --push class\npass", "--push class: not a Python name a cell can assign"),
     ],
 )
 def test_bad_input_is_a_usage_error_and_starts_nothing(notebook, runs_dir, cell, message):

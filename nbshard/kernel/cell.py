@@ -149,6 +149,9 @@ def _pickled_each(namespace: dict[str, Any], names: list[str]) -> dict[str, Any]
 
     pulled: dict[str, Any] = {"values": {}, "failed": {}}
     for name in names:
+        if name not in namespace:  # the cell ran to its end: what it did is kept, only this name is missing
+            pulled["failed"][name] = "the cell never assigned it in this rank (assign it in every rank, None is fine)"
+            continue
         try:
             pulled["values"][name] = dump_result(namespace[name], path=f"the pulled {name!r}")
         except TypeError as error:
@@ -172,12 +175,6 @@ def run_cell(
     namespace["world_size"] = int(os.environ["WORLD_SIZE"])
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)  # pdb's `list` in a rank
     exec(compile(source, filename, "exec"), namespace)
-    missing = [name for name in pull if name not in namespace]
-    if missing:
-        raise NameError(
-            f"--pull {', '.join(missing)}: the cell never assigned {'it' if len(missing) == 1 else 'them'} "
-            "in this rank. Assign every pulled name in every rank (None is fine), or pull fewer names."
-        )
     if namespace["rank"] == 0 or pull_all:
         return _pickled_each(namespace, pull)
     return None

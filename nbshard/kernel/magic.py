@@ -8,6 +8,7 @@ names back. Works like ipyparallel's ``%%px``, on torchrun-style processes.
 
 from __future__ import annotations
 
+import keyword
 import pickle
 import types
 from typing import Any
@@ -31,9 +32,15 @@ __all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
 
 
-def _names(values: list[str]) -> list[str]:
-    """``["a,b", "c"]`` (repeated options, commas or spaces) as ``["a", "b", "c"]``."""
-    return [name for value in values for name in value.replace(",", " ").split()]
+def _names(values: list[str], flag: str | None = None) -> list[str]:
+    """``["a,b", "c"]`` (repeated options, commas or spaces) as ``["a", "b", "c"]``; with
+    ``flag``, each must be a name a cell can assign (UsageError before anything starts)."""
+    names = [name for value in values for name in value.replace(",", " ").split()]
+    for name in names if flag else ():
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise UsageError(f"%%shard_train {flag} {name}: not a Python name a cell can assign (quotes are kept as typed: "
+                             f"write {flag} a,b)")
+    return names
 
 
 def _gpus(text: str | None) -> tuple[int | str, ...] | None:
@@ -156,7 +163,7 @@ class ShardMagics(Magics):
         args = parse_argstring(self.shard_train, line)
         shell = self._shell
         _check_plain_python(shell, cell)
-        pull = _names(args.pull)
+        pull = _names(args.pull, "--pull")
         if args.session and args.nnodes != 1:
             raise UsageError("%%shard_train: a session runs on one node; drop --nnodes or --session")
         if args.session and args.profile:
@@ -198,7 +205,7 @@ class ShardMagics(Magics):
         """The cell as a job; ``held``: names a session's ranks hold, which win over the
         notebook's (its functions, classes and modules, and ``--push`` names, are shipped)."""
         user_ns = self._shell.user_ns
-        pushed = _names(args.push)
+        pushed = _names(args.push, "--push")
         missing = [name for name in pushed if name not in user_ns]
         if missing:
             raise UsageError(f"--push {', '.join(missing)}: no such name in the notebook")
