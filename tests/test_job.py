@@ -49,6 +49,8 @@ def steps():
         ({"name": 5}, TypeError, "name must be a non-empty string"),
         ({"fn": steps}, TypeError, "'steps' is a generator function: calling it only makes a generator"),
         ({"name": " "}, TypeError, "name must be a non-empty string"),
+        ({"return_all": "yes"}, TypeError, "return_all must be True or False, got 'yes'"),
+        ({"return_all": 0}, TypeError, "return_all must be True or False"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, error, words):
