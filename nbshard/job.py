@@ -169,9 +169,9 @@ def _validate(job: Job) -> None:
         raise ValueError(f"nproc must be a positive integer, got {job.nproc!r}")
     if isinstance(job.nnodes, bool) or not isinstance(job.nnodes, int) or job.nnodes < 1:
         raise ValueError(f"nnodes must be a positive integer, got {job.nnodes!r}")
-    for flag, value in (("profile", job.profile), ("return_all", job.return_all)):
-        if not isinstance(value, bool):  # "yes" or 0 would pass as truth values, and mean other than they say
-            raise TypeError(f"{flag} must be True or False, got {value!r}")
+    for option, setting in (("profile", job.profile), ("return_all", job.return_all)):
+        if not isinstance(setting, bool):  # "yes" or 0 would pass as truth values, and mean other than they say
+            raise TypeError(f"{option} must be True or False, got {setting!r}")
     if job.gpus is not None:
         if isinstance(job.gpus, (str, bytes)) or not isinstance(job.gpus, Sequence):
             raise TypeError(f"gpus must be a list of GPU indices or UUIDs, e.g. [0, 1]; got {job.gpus!r}")
