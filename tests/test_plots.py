@@ -70,6 +70,16 @@ def test_a_quick_jobs_seconds_count_from_its_submission_so_none_is_negative(monk
     assert all(x >= 0 for chart in handle.plot().charts for points in chart.series.values() for x, *_ in points)
 
 
+def test_charts_over_seconds_start_at_the_runs_start_and_charts_over_steps_at_their_first_step():
+    quick = Chart("memory", "seconds", {0: [(0.960, 2e7), (0.965, 2e7)]}, bytes=True, since_start=True).svg()
+    dots = [float(x) for x in re.findall(r'<circle cx="([\d.]+)"', quick)]
+    assert not polyline_points(quick) and len(dots) == 1 and dots[0] > 52 + 0.9 * 318  # a job that ran 1 s: a dot at its end
+    later = polyline_points(Chart("memory", "seconds", {0: [(2.0, 2e7), (4.0, 3e7)]}, bytes=True, since_start=True).svg())
+    assert later[0][0][0] == pytest.approx(52 + 318 * 2 / 4.16, abs=1)  # from 0 s, not from the first sample
+    steps = polyline_points(Chart("loss", "step", {0: [(100.0, 1.0), (200.0, 2.0)]}).svg())
+    assert steps[0][0][0] == pytest.approx(52, abs=1)  # the first step at the axis's left end
+
+
 def test_metrics_without_steps_go_over_seconds_and_a_gpu_gets_its_own_memory_chart():
     started = 100.0
     memory = [

@@ -33,6 +33,7 @@ class Chart:
     x_label: str
     series: dict[int, list[tuple[float, float]]]
     bytes: bool = False  # y holds bytes: drawn in one unit (KiB, MiB, GiB) for the whole axis
+    since_start: bool = False  # x is seconds since the run started: the axis begins there, at 0
 
     def svg(self, width: int = 380, height: int = 200) -> str:
         return _chart_svg(self, width, height)
@@ -77,9 +78,9 @@ def charts_of(memory: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]
         cpu.setdefault(record["rank"], []).append((at, value))
     charts = []
     if cpu:
-        charts.append(Chart(f"memory: {cpu_kind if cpu_kind != 'CPU' else 'CPU resident'}", "seconds", cpu, bytes=True))
+        charts.append(Chart(f"memory: {cpu_kind if cpu_kind != 'CPU' else 'CPU resident'}", "seconds", cpu, bytes=True, since_start=True))
     if gpu:
-        charts.append(Chart("memory: GPU", "seconds", gpu, bytes=True))
+        charts.append(Chart("memory: GPU", "seconds", gpu, bytes=True, since_start=True))
     by_name: dict[str, dict[int, list[tuple[float | None, float, float]]]] = {}  # name -> rank -> (step, seconds, value)
     stepless: set[str] = set()  # names with a record that has no step: drawn over seconds
     for record in metrics:
@@ -93,7 +94,7 @@ def charts_of(memory: Sequence[dict[str, Any]], metrics: Sequence[dict[str, Any]
     for name, ranks in by_name.items():
         over_steps = name not in stepless
         series = {rank: [(float(s) if over_steps and s is not None else t, v) for s, t, v in points] for rank, points in ranks.items()}
-        charts.append(Chart(name, "step" if over_steps else "seconds", series))
+        charts.append(Chart(name, "step" if over_steps else "seconds", series, since_start=not over_steps))
     return charts
 
 
@@ -167,7 +168,12 @@ def _chart_svg(chart: Chart, width: int, height: int) -> str:
     if left + 6.5 * len(title) + 12 > width - right - legend_width:  # no room beside the title: a row of its own
         legend_y, top = 26, 38
     inner_w, inner_h = width - left - right, height - top - bottom
-    x_low, x_high = (min(xs), max(xs)) if max(xs) > min(xs) else (min(xs) - 1, max(xs) + 1)
+    # Over seconds, from the start: a quick job's points sit where they came, not spread over 20 ms,
+    # and clear of the frame's right edge.
+    x_low = min(0.0, min(xs)) if chart.since_start else min(xs)
+    x_low, x_high = (x_low, max(xs)) if max(xs) > x_low else (x_low - 1, max(xs) + 1)
+    if chart.since_start:
+        x_high += (x_high - x_low) * 0.04
     y_low, y_high = _range(ys, from_zero=chart.bytes)
     x_ticks, y_ticks = _ticks(x_low, x_high), _ticks(y_low, y_high)
     y_low, y_high = min(y_low, y_ticks[0]), max(y_high, y_ticks[-1])
@@ -202,8 +208,9 @@ def _chart_svg(chart: Chart, width: int, height: int) -> str:
         scaled = [(px(x), py(y / scale)) for x, y in points]
         last_x, last_y = points[-1]
         tip = f"rank {rank}: {_number(last_y / scale)}{' ' + unit if unit else ''} at {chart.x_label} {_number(last_x)}"
-        if len(scaled) == 1:
-            (x, y), = scaled
+        spread = max(x for x, _ in scaled) - min(x for x, _ in scaled) + max(y for _, y in scaled) - min(y for _, y in scaled)
+        if spread < 3:  # one point, or points a few pixels apart (a quick job's): a line that short would not show
+            x, y = scaled[-1]
             parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"><title>{html.escape(tip)}</title></circle>')
             continue
         path = " ".join(f"{x:.1f},{y:.1f}" for x, y in scaled)
