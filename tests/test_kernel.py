@@ -83,6 +83,21 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel
     assert kernel.execute("print(nbshard.run(lambda: 'next', nproc=2))").user_stdout.strip() == "next"
 
 
+def test_interrupting_a_wait_for_a_result_leaves_the_job_and_its_handle_working(kernel, runs_dir):
+    kernel.execute("import nbshard, time\nhandle = nbshard.submit(time.sleep, 4, nproc=2)")
+    msg_id = kernel.submit("print('waiting', flush=True)\nhandle.result()")
+    kernel.collect(msg_id, until="waiting")
+    time.sleep(0.3)
+    kernel.manager.interrupt_kernel()
+    interrupted_at = time.monotonic()
+    result = kernel.collect(msg_id, timeout=30)
+    assert result.error is not None and result.error["ename"] == "KeyboardInterrupt", result.traceback
+    assert time.monotonic() - interrupted_at < 2.0
+    # Only the wait was interrupted: the job runs on, and the same handle still ends with it.
+    done = kernel.execute("print(handle.result(timeout=60), handle.status)")
+    assert done.status == "ok" and done.user_stdout.strip() == "None succeeded", done.traceback
+
+
 def test_a_killed_kernel_takes_its_jobs_along_within_5_seconds(kernel, runs_dir):
     kernel.execute("import nbshard, time\nhandle = nbshard.submit(time.sleep, 600, nproc=2)")
     deadline = time.monotonic() + 30

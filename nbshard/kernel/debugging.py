@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.stacks import where_stopped
 
 __all__ = ["QUIT_COMMANDS", "PostMortem", "RankDebugger", "answer_line"]
@@ -151,13 +152,16 @@ class PostMortem:
     def serve(self, write: Callable[[str], None], lost: Callable[[], bool]) -> None:
         """Answer the rank's prompts until it left pdb (or the session is lost). An interrupt
         leaves pdb (``q``) and returns once the rank did."""
-        while not self.ended.wait(0.02) and not lost():
-            try:
-                self.debugger.answer(write, self.ended.is_set)
-            except KeyboardInterrupt:
-                if self.debugger.last is not None:
-                    rank, seq = self.debugger.last
-                    self._send(answer_line(rank, {"seq": seq, "line": "q"}))
-                write("\n[nbshard] interrupted: leaving the debugger\n")
-                self.ended.wait(5.0)
-                return
+        with deferred_interrupts() as interrupts:  # raised at the checks, not inside the event's lock
+            while not self.ended.wait(0.02) and not lost():
+                try:
+                    interrupts.check()
+                    with interrupts.raising():  # input() is left by an interrupt
+                        self.debugger.answer(write, self.ended.is_set)
+                except KeyboardInterrupt:
+                    if self.debugger.last is not None:
+                        rank, seq = self.debugger.last
+                        self._send(answer_line(rank, {"seq": seq, "line": "q"}))
+                    write("\n[nbshard] interrupted: leaving the debugger\n")
+                    self.ended.wait(5.0)
+                    return

@@ -17,7 +17,7 @@ from typing import Any
 
 from nbshard.backends import NodeLauncher, WarmLauncher
 from nbshard.kernel.backlog import LiveBacklog
-from nbshard.kernel import watching
+from nbshard.kernel import interrupts, watching
 from nbshard.kernel.debugging import RankDebugger
 from nbshard.kernel.feed import JobFeed
 from nbshard.contracts import Attempt, RunOutcome
@@ -132,7 +132,7 @@ class JobHandle:
         return self._value
 
     def exception(self, timeout: float | None = None) -> JobError | None:
-        if not self._done.wait(timeout):
+        if not interrupts.wait(self._done, timeout):
             raise TimeoutError(f"{self.job.label} is still running after waiting {timeout} s (the job itself goes on)")
         return self._exception
 
@@ -148,7 +148,7 @@ class JobHandle:
         deadline = time.monotonic() + STACK_DUMP_WAIT + self.job.grace + KILL_MARGIN
         self._kill_at = min(self._kill_at, deadline)
         if wait:
-            self._done.wait()
+            interrupts.wait(self._done)
         return True
 
     def kill(self) -> None:

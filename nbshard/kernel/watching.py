@@ -19,6 +19,7 @@ from nbshard.job import Job
 from nbshard.kernel.backlog import LiveBacklog
 from nbshard.kernel.debugging import QUIT_COMMANDS, RankDebugger
 from nbshard.kernel.display import LinePrinter, LiveDisplay, TailView, human_bytes, in_notebook, render_html, render_text
+from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.kernel.plots import charts_html, charts_of
 from nbshard.kernel.profiles import ProfileReport
 from nbshard.kernel.telemetry import Telemetry
@@ -76,39 +77,43 @@ def watch(handle: Watched, out: Any) -> None:
             out.write("".join(chunks))
             out.flush()
 
-    try:
-        while not backlog.wait(handle._done, paced=live is not None):
-            show(most=most)
-            while debugger.waiting():
-                show(most=None)
-                if live is not None:
-                    live.update()
-                _answer_prompt(handle, out, show)
-            if live is not None:
-                live.update(LIVE_VIEW_INTERVAL)
-            elif time.monotonic() > next_memory_text:
-                next_memory_text += MEMORY_TEXT_INTERVAL
-                show(memory_text(handle, peak=False))
-    except KeyboardInterrupt:
-        show(f"interrupted: stopping {handle.job.label} (interrupt again to kill it now)")
+    with deferred_interrupts() as interrupts:  # the stop button raises at the loop's checks, not in a lock
         try:
-            handle.cancel(wait=False)
-            while not handle._done.wait(0.1):
-                show()
+            while not backlog.wait(handle._done, paced=live is not None):
+                interrupts.check()
+                show(most=most)
+                while debugger.waiting():
+                    show(most=None)
+                    if live is not None:
+                        live.update()
+                    with interrupts.raising():  # input() is left by an interrupt
+                        _answer_prompt(handle, out, show)
+                if live is not None:
+                    live.update(LIVE_VIEW_INTERVAL)
+                elif time.monotonic() > next_memory_text:
+                    next_memory_text += MEMORY_TEXT_INTERVAL
+                    show(memory_text(handle, peak=False))
         except KeyboardInterrupt:
-            handle.kill()
-            handle._done.wait()
-        raise handle._interrupted() from None
-    finally:
-        backlog.patient = debugger.watched = False
-        show(None if live is not None else memory_text(handle, peak=True), most=None)
-        if ending := printer.close():
-            out.write(ending)
-            out.flush()
-        if live is not None:
-            live.update()  # the summary stays in the cell
-        if handle.job.profile and handle.done():
-            _show_profile(handle, out, in_notebook_cell=live is not None)
+            show(f"interrupted: stopping {handle.job.label} (interrupt again to kill it now)")
+            try:
+                handle.cancel(wait=False)
+                while not handle._done.wait(0.1):
+                    interrupts.check()
+                    show()
+            except KeyboardInterrupt:
+                handle.kill()
+                handle._done.wait()
+            raise handle._interrupted() from None
+        finally:
+            backlog.patient = debugger.watched = False
+            show(None if live is not None else memory_text(handle, peak=True), most=None)
+            if ending := printer.close():
+                out.write(ending)
+                out.flush()
+            if live is not None:
+                live.update()  # the summary stays in the cell
+            if handle.job.profile and handle.done():
+                _show_profile(handle, out, in_notebook_cell=live is not None)
 
 
 class LazyView:

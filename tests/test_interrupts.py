@@ -1,0 +1,124 @@
+"""An interrupt while the kernel waits for a job is raised where the wait checks for it,
+never inside the lock of the event it waits on (``nbshard.kernel.interrupts``).
+
+Each case runs in a Python process of its own: a SIGINT that the code under test let
+through would otherwise interrupt pytest itself.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, pythonpath
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=45,
+        env={"PYTHONPATH": pythonpath(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_an_interrupt_is_counted_until_the_check_raises_it():
+    out = run_python("""
+        import os, signal, time
+        from nbshard.kernel.interrupts import deferred_interrupts
+        with deferred_interrupts() as interrupts:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                time.sleep(0)  # calls and loops, where Python would have raised it
+            print("pending", interrupts.pending)
+            try:
+                interrupts.check()
+            except KeyboardInterrupt:
+                print("raised at the check")
+            interrupts.check()  # once per interrupt
+        print("handler restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert out.split("\n")[:3] == ["pending 1", "raised at the check", "handler restored True"]
+
+
+def test_a_wait_is_interrupted_within_a_slice_and_leaves_its_event_usable():
+    out = run_python("""
+        import os, signal, threading, time
+        from nbshard.kernel import interrupts
+        done = threading.Event()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        try:
+            interrupts.wait(done)
+        except KeyboardInterrupt:
+            print("interrupted after", round(time.monotonic() - started, 1))
+        print("lock free", not done._cond._lock.locked())
+        threading.Thread(target=done.set).start()  # the thread that ends a job can still set it
+        print("set seen", done.wait(5))
+        print("timeout kept", interrupts.wait(threading.Event(), 0.2) is False)
+    """)
+    lines = out.split("\n")
+    assert lines[0].startswith("interrupted after ") and 0.3 <= float(lines[0].split()[-1]) <= 0.3 + 0.1 + 0.3, out
+    assert lines[1:4] == ["lock free True", "set seen True", "timeout kept True"]
+
+
+def test_an_interrupt_left_unchecked_is_raised_when_the_block_ends():
+    out = run_python("""
+        import os, signal
+        from nbshard.kernel.interrupts import deferred_interrupts
+        try:
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)
+                print("inside")
+        except KeyboardInterrupt:
+            print("raised at the end")
+        try:
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)
+                raise ValueError("the block's own error")
+        except ValueError as error:
+            print("its own error goes:", error)
+    """)
+    assert out.split("\n")[:3] == ["inside", "raised at the end", "its own error goes: the block's own error"]
+
+
+def test_inside_raising_an_interrupt_raises_at_once_as_input_needs():
+    out = run_python("""
+        import os, signal, threading, time
+        from nbshard.kernel.interrupts import deferred_interrupts
+        with deferred_interrupts() as interrupts:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            started = time.monotonic()
+            try:
+                with interrupts.raising():
+                    time.sleep(10)  # as input() waits for a person
+            except KeyboardInterrupt:
+                print("left the wait after", round(time.monotonic() - started))
+            print("counted again", signal.getsignal(signal.SIGINT) is not signal.default_int_handler)
+    """)
+    assert out.split("\n")[:2] == ["left the wait after 0", "counted again True"]
+
+
+def test_other_handlers_and_other_threads_are_left_alone():
+    out = run_python("""
+        import signal, threading
+        from nbshard.kernel.interrupts import deferred_interrupts
+        def mine(signum, frame):
+            pass
+        signal.signal(signal.SIGINT, mine)
+        with deferred_interrupts() as interrupts:
+            print("custom handler kept", signal.getsignal(signal.SIGINT) is mine, interrupts.active)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        def in_thread():
+            with deferred_interrupts() as interrupts:
+                print("thread", interrupts.active)
+        thread = threading.Thread(target=in_thread)
+        thread.start()
+        thread.join()
+    """)
+    assert out.split("\n")[:2] == ["custom handler kept True False", "thread False"]
