@@ -7,6 +7,7 @@ headless with no network of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -54,6 +55,16 @@ class JupyterLab:
         (home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
             json.dumps({"fetchNews": "false", "checkForUpdates": False})
         )
+        # A kernel that stops answering says where its threads are: an IPython startup file (kernels
+        # only) has faulthandler write every thread's stack to kernel_stacks on SIGUSR2.
+        self.kernel_stacks = root / "kernel-stacks.txt"
+        startup = home / "ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True, exist_ok=True)
+        (startup / "00-stacks-on-sigusr2.py").write_text(
+            "import faulthandler, signal\n"
+            f"faulthandler.register(signal.SIGUSR2, file=open({str(self.kernel_stacks)!r}, 'a'), all_threads=True)\n"
+        )
+        server_env["IPYTHONDIR"] = str(home / "ipython")
         self.log = open(root / "jupyterlab.log", "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
@@ -80,6 +91,24 @@ class JupyterLab:
                 time.sleep(0.3)
         raise TimeoutError(f"jupyter lab did not answer within {timeout} s")
 
+    def kernel_stacks_now(self) -> str:
+        """Every thread's Python stack in each of the server's kernels, as they are now."""
+        kernels = []
+        for entry in Path("/proc").iterdir():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == self.process.pid and b"ipykernel" in (entry / "cmdline").read_bytes():
+                    kernels.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+        before = self.kernel_stacks.stat().st_size if self.kernel_stacks.exists() else 0
+        for pid in kernels:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        stacks = self.kernel_stacks.read_bytes()[before:].decode(errors="replace") if self.kernel_stacks.exists() else ""
+        return stacks or f"(no stacks written; kernels found: {kernels})"
+
     def stop(self) -> None:
         """Shut the server down, kernels included; SIGKILL its session if it lingers."""
         if self.process.poll() is None:
@@ -98,6 +127,7 @@ class NotebookPage:
 
     def __init__(self, page: Any, lab: JupyterLab, notebook: str, shots: Path) -> None:
         self.page = page
+        self.lab = lab
         self.shots = shots
         page.set_viewport_size({"width": 1400, "height": 1000})
         self.dialogs: list[str] = []  # what each dialog that came up unbidden said
@@ -154,7 +184,12 @@ class NotebookPage:
 
         Right after the page loads, the kernel may not be connected yet and JupyterLab
         drops the request (the prompt stays blank): then the person presses again.
+        A cell an earlier step left running (a kernel that hangs) fails this step at once,
+        rather than every later step at its own timeout.
         """
+        if any(self.prompt(other) == "*" for other in range(self.page.locator(".jp-Notebook .jp-Cell").count())):
+            raise RuntimeError(f"an earlier step left a cell running, so the kernel cannot run cell {index}:\n"
+                               f"{self._running_cells()}\nthe kernel's threads:\n{self.lab.kernel_stacks_now()}")
         for _ in range(5):
             self.handle_dialogs()
             self.cell(index).locator(".jp-InputArea-editor").click()
@@ -194,8 +229,17 @@ class NotebookPage:
                 self.screenshot("timed-out")
                 shown = [" | ".join(d.inner_text().split("\n")) for d in self.page.locator(".jp-Dialog").all()]
                 raise TimeoutError(f"the page did not get there within {timeout} s; dialogs: {self.dialogs + shown};"
-                                   f" see {self.shots}")
+                                   f" see {self.shots}\n{self._running_cells()}\nthe kernel's threads:\n{self.lab.kernel_stacks_now()}")
             self.page.wait_for_timeout(200)
+
+    def _running_cells(self) -> str:
+        """What each cell still marked as running shows (its last 30 lines)."""
+        said = []
+        for index in range(self.page.locator(".jp-Notebook .jp-Cell").count()):
+            if self.prompt(index) == "*":
+                shown = self.text(index).splitlines()[-30:]
+                said.append(f"cell {index} is still running; it shows:\n" + "\n".join(f"  | {line}" for line in shown))
+        return "\n".join(said) or "no cell is marked as running"
 
     def interrupt(self) -> None:
         """Click the toolbar's stop button (interrupt the kernel)."""
