@@ -4,6 +4,7 @@ channel (input_request, input_reply), as JupyterLab's input box answers."""
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,22 @@ def test_quit_in_the_debugger_stops_the_job(kernel) -> None:
     assert prompts == ["(Pdb rank 1) "], prompts
     assert result.error is not None and result.error["ename"] == "JobCancelled", result.error
     assert "stopping train: a rank's debugger was quit" in result.stdout, result.stdout
+
+
+def test_an_interrupt_at_a_ranks_prompt_stops_the_job(kernel) -> None:
+    """The stop button while the cell's input box asks for rank 1's pdb command leaves the
+    prompt and stops the job as anywhere else: JobInterrupted, every rank gone (runs_dir)."""
+    kernel.execute(PAUSING_JOB)
+
+    def interrupt(prompt: str, shown: str) -> str:
+        kernel.manager.interrupt_kernel()
+        time.sleep(0.5)
+        return "c"  # too late: were the prompt still open, the job would return
+
+    result, prompts = kernel.execute_answering("nbshard.run(train, 4, nproc=2, debug_ranks=[1])", interrupt)
+    assert prompts == ["(Pdb rank 1) "], prompts
+    assert result.error is not None and result.error["ename"] == "JobInterrupted", result.error
+    assert "train was interrupted, and its ranks were stopped" in result.traceback, result.traceback
 
 
 def test_a_collective_timing_out_under_a_paused_rank_is_said_at_once(kernel) -> None:
@@ -150,6 +167,20 @@ def test_session_breakpoint_and_post_mortem(kernel) -> None:
     assert "where the other ranks are" not in shown  # a post-mortem holds nobody up
     after = kernel.execute("%%shard_train --session dbg\nprint('ready', rank)")
     assert after.status == "ok" and "[rank1]: ready 1" in after.stdout, after.stdout + after.traceback
+
+    # The stop button at a post-mortem's prompt leaves pdb; the session is ready.
+    assert kernel.execute("%%shard_train --session dbg\nscale(weights, rank - 1)").error is not None
+
+    def interrupt(prompt: str, shown: str) -> str:
+        kernel.manager.interrupt_kernel()
+        time.sleep(0.5)
+        return "p weights"  # too late: the prompt was left
+
+    stopped, prompts = kernel.execute_answering("%shard_debug --session dbg", interrupt)
+    assert prompts == ["(Pdb rank 1) "], prompts
+    assert stopped.status == "ok" and "[nbshard] interrupted: leaving the debugger" in stopped.stdout, stopped.stdout + stopped.traceback
+    last = kernel.execute("%%shard_train --session dbg\nprint('ready at last', rank)")
+    assert last.status == "ok" and "[rank1]: ready at last 1" in last.stdout, last.stdout + last.traceback
 
     # Where the frontend takes no input, the post-mortem says so and leaves pdb: the session is ready.
     assert kernel.execute("%%shard_train --session dbg\nscale(weights, rank - 1)").error is not None

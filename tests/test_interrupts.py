@@ -87,16 +87,16 @@ def test_an_interrupt_left_unchecked_is_raised_when_the_block_ends():
     assert out.split("\n")[:3] == ["inside", "raised at the end", "its own error goes: the block's own error"]
 
 
-def test_inside_raising_an_interrupt_raises_at_once_as_input_needs():
+def test_an_interrupt_raises_at_once_inside_what_waits_for_a_person():
     out = run_python("""
         import os, signal, threading, time
         from nbshard.kernel.interrupts import deferred_interrupts
         with deferred_interrupts() as interrupts:
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
             started = time.monotonic()
+            waits_for_a_person = interrupts.raising_in(lambda prompt: time.sleep(10) or prompt)  # as input() does
             try:
-                with interrupts.raising():
-                    time.sleep(10)  # as input() waits for a person
+                waits_for_a_person("(Pdb) ")
             except KeyboardInterrupt:
                 print("left the wait after", round(time.monotonic() - started))
             print("counted again", signal.getsignal(signal.SIGINT) is not signal.default_int_handler)

@@ -72,9 +72,10 @@ class RankDebugger:
         how = "" if self.watched else ": handle.watch() answers"
         return f"rank{'s' * (len(self.paused) > 1)} {ranks} paused in the debugger{how}"
 
-    def answer(self, write: Callable[[str], None], ended: Callable[[], bool]) -> str | None:
-        """Ask the person about the oldest prompt; returns the command they gave (None when
-        there was no prompt, or nobody can answer). A quit (``q``) stops the job or call too."""
+    def answer(self, write: Callable[[str], None], ended: Callable[[], bool], ask: Callable[[str], str] = input) -> str | None:
+        """Ask the person about the oldest prompt (with ``ask``, ``input`` by default); returns
+        the command they gave (None when there was no prompt, or nobody can answer). A quit
+        (``q``) stops the job or call too."""
         with self._lock:
             if not self._prompts:
                 return None
@@ -93,7 +94,7 @@ class RankDebugger:
             return None
         self.asking, self._write, self.last = rank, write, (rank, seq)
         try:
-            line = input(prompt or f"(Pdb rank {rank}) ")
+            line = ask(prompt or f"(Pdb rank {rank}) ")
         except (EOFError, OSError, NotImplementedError) as error:  # no stdin here (nbconvert, a captured one)
             self.detached = True
             self._send(answer_line(rank, {"seq": seq, "detach": True}), False)
@@ -156,8 +157,7 @@ class PostMortem:
             while not self.ended.wait(0.02) and not lost():
                 try:
                     interrupts.check()
-                    with interrupts.raising():  # input() is left by an interrupt
-                        self.debugger.answer(write, self.ended.is_set)
+                    self.debugger.answer(write, self.ended.is_set, interrupts.raising_in(input))
                 except KeyboardInterrupt:
                     if self.debugger.last is not None:
                         rank, seq = self.debugger.last

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["WAIT_SLICE", "Deferred", "deferred_interrupts", "wait"]
@@ -58,6 +58,13 @@ class Deferred:
             yield
         finally:
             signal.signal(signal.SIGINT, self._count)
+
+    def raising_in(self, fn: Callable[[str], str]) -> Callable[[str], str]:
+        """``fn`` called with interrupts raising as usual, the rest of the wait still counting them."""
+        def call(text: str) -> str:
+            with self.raising():
+                return fn(text)
+        return call
 
 
 @contextlib.contextmanager

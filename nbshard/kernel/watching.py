@@ -86,8 +86,7 @@ def watch(handle: Watched, out: Any) -> None:
                     show(most=None)
                     if live is not None:
                         live.update()
-                    with interrupts.raising():  # input() is left by an interrupt
-                        _answer_prompt(handle, out, show)
+                    _answer_prompt(handle, out, show, interrupts.raising_in(input))
                 if live is not None:
                     live.update(LIVE_VIEW_INTERVAL)
                 elif time.monotonic() > next_memory_text:
@@ -193,13 +192,13 @@ def _live_charts(handle: Watched) -> str:
     return charts_html(charts_of(memory, metrics, handle.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
 
 
-def _answer_prompt(handle: Watched, out: Any, show: Callable[[str], None]) -> None:
-    """Ask the person about a rank's debugger prompt (pdb's output shown first)."""
+def _answer_prompt(handle: Watched, out: Any, show: Callable[[str], None], ask: Callable[[str], str]) -> None:
+    """Ask the person about a rank's debugger prompt with ``ask`` (pdb's output shown first)."""
     def write(text: str) -> None:
         out.write(text)
         out.flush()
 
-    line = handle._debugger.answer(write, handle.done)
+    line = handle._debugger.answer(write, handle.done, ask)
     if line is not None and line.strip() in QUIT_COMMANDS:
         show(f"stopping {handle.job.label}: a rank's debugger was quit")
 
