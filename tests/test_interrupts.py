@@ -7,6 +7,7 @@ through would otherwise interrupt pytest itself.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,10 +19,14 @@ from conftest import REPO, pythonpath
 pytestmark = pytest.mark.timeout(60)
 
 
-def run_python(code: str) -> str:
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a shell's background job ignores it: Python would then install no handler
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=45,
-        env={"PYTHONPATH": pythonpath(REPO), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": pythonpath(REPO), "PATH": "/usr/bin:/bin", **(env or {})}, preexec_fn=_default_sigint,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -122,3 +127,44 @@ def test_other_handlers_and_other_threads_are_left_alone():
         thread.join()
     """)
     assert out.split("\n")[:2] == ["custom handler kept True False", "thread False"]
+
+
+# The stop button pressed while a job launches, once its launcher runs and before the handle that
+# stops it exists (simulated there, deterministically): the launcher and its ranks must not
+# outlive the cell (the runs_dir fixture fails a test that leaves a process behind).
+INTERRUPTED_LAUNCH = """
+    import os, signal, time
+    import nbshard
+    from conftest import wait_until_gone
+    from nbshard.kernel import client, persistent
+
+    def interrupted_here(wrapped):
+        pressed = []
+        def wrapper(*args, **kwargs):
+            if not pressed:  # the first launch only
+                pressed.append(True)
+                os.kill(os.getpid(), signal.SIGINT)  # as the stop button would, now
+                time.sleep(0.3)  # where Python would raise it
+            return wrapped(*args, **kwargs)
+        return wrapper
+
+    {patch}
+    try:
+        {start}
+    except KeyboardInterrupt as error:
+        kept = error  # as IPython keeps the last error (sys.last_value), and with it every frame's locals
+        print("interrupted")
+    print("left running:", wait_until_gone(os.environ["NBSHARD_RUNS_DIR"], within=5.0))  # while this kernel lives
+    print(nbshard.run(print, "the next launch works", nproc=1))
+"""
+
+
+@pytest.mark.parametrize("patch, start", [
+    ("client.JobHandle = interrupted_here(client.JobHandle)", "nbshard.run(time.sleep, 600, nproc=2)"),
+    ("persistent.Session._take_over = interrupted_here(persistent.Session._take_over)", "nbshard.session('s', nproc=2)"),
+], ids=["run", "session"])
+def test_an_interrupt_while_a_launch_starts_leaves_nothing_running(runs_dir, patch, start):
+    out = run_python(INTERRUPTED_LAUNCH.format(patch=patch, start=start),
+                     env={"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": pythonpath(REPO, REPO / "tests")})
+    assert out.splitlines()[:2] == ["interrupted", "left running: {}"], out
+    assert "the next launch works" in out, out

@@ -113,6 +113,10 @@ class WarmProcess:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             answer = self._request(connection, run_dir, env, cwd, channel.launcher_end.fileno())
+        except BaseException:  # an interrupt while it answers: a launcher it forked reads the end of its input, and stops
+            connection.close()
+            channel.close()
+            raise
         finally:
             channel.launcher_started()
         if isinstance(answer, Refusal):

@@ -25,6 +25,7 @@ from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
 from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_kernel_holds_cuda
 from nbshard.kernel.handle import JobHandle, running_jobs
+from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.environment import launch_environment
 from nbshard.job import Job, RunDir, check_ranks_exist
 from nbshard.leftovers import process_identity
@@ -110,7 +111,12 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     started = time.time()
     job = _as_job(target, args, options)
     payload = pickled_job(job)
-    return JobHandle(job, *launch(job, payload), started=started)
+    launched = launch(job, payload)
+    with deferred_interrupts() as interrupts:  # the launcher runs: an interrupt waits until a handle owns it
+        handle = JobHandle(job, *launched, started=started)
+        if interrupts.pending:  # the stop button during the launch: nobody got this job, so it stops
+            handle.cancel(wait=False)
+    return handle
 
 
 def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, NodeLauncher, Receiver]:
@@ -143,6 +149,8 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
     run_dir = new_run_dir(settings.runs_dir, job.label)
     receiver = None
     try:
+        with contextlib.suppress(OSError):  # before the launcher starts, so an interrupt here leaves nothing running
+            prune_runs(settings.runs_dir, keep=settings.keep_runs, keep_bytes=settings.keep_runs_bytes, spare=run_dir.path)
         key = new_key()
         write_atomic(run_dir.key, key)
         if payload is not None:
@@ -176,8 +184,6 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
                 "there, or set NBSHARD_RUNS_DIR (or nbshard.settings.runs_dir) to another filesystem."
             )) from error
         raise
-    with contextlib.suppress(OSError):  # a launch that started is never failed by pruning
-        prune_runs(settings.runs_dir, keep=settings.keep_runs, keep_bytes=settings.keep_runs_bytes, spare=run_dir.path)
     return nproc * job.nnodes, run_dir, launcher, receiver
 
 

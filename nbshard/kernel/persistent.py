@@ -31,6 +31,7 @@ from nbshard.kernel.display import render_html
 from nbshard.errors import JobError, SessionLost, how_it_ended
 from nbshard.files import mkdir_private, open_private
 from nbshard.kernel.handle import JobHandle
+from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
 from nbshard.kernel.session_options import call_job, check_session_options, one_machine_only
 from nbshard.kernel.plots import Plot, charts_of
@@ -77,13 +78,23 @@ class Session:
             placeholder, None, session=True, interrupt_grace=self.interrupt_grace
         )
         self.run_dir = self._paths.path
-        if not hasattr(self._launcher, "pid"):  # a registered backend that starts node launchers
-            self._launcher.kill()
-            self._launcher.close()
-            self._receiver.close()
-            raise ValueError(one_machine_only(self._options.get("backend", "?")))
+        with deferred_interrupts() as interrupts:  # the launcher runs: an interrupt waits until this session owns it
+            try:
+                if not hasattr(self._launcher, "pid"):  # a registered backend that starts node launchers
+                    raise ValueError(one_machine_only(self._options.get("backend", "?")))
+                self._take_over(self._launcher.pid)
+            except BaseException:
+                self._launcher.kill()
+                self._launcher.close()
+                self._receiver.close()
+                raise
+            if interrupts.pending:  # the stop button while the session started: it goes, as its cell does
+                self._launcher.kill()
+
+    def _take_over(self, pid: int) -> None:
+        """Hold the started launcher (``pid``): the session's state, and its thread."""
         mkdir_private(self.run_dir / "calls", exist_ok=True)
-        self.pid = self._launcher.pid
+        self.pid = pid
         self.warm = isinstance(self._launcher, WarmLauncher)
         self.launch_note = self._launcher.note
         self.state = "running"  # "diverged", "lost" or "closed" later
