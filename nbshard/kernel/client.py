@@ -111,12 +111,23 @@ def submit(target: Job | Callable[..., Any], /, *args: Any, **options: Any) -> J
     started = time.time()
     job = _as_job(target, args, options)
     payload = pickled_job(job)
-    launched = launch(job, payload)
+    world_size, run_dir, launcher, receiver = launch(job, payload)
     with deferred_interrupts() as interrupts:  # the launcher runs: an interrupt waits until a handle owns it
-        handle = JobHandle(job, *launched, started=started)
+        try:
+            handle = JobHandle(job, world_size, run_dir, launcher, receiver, started=started)
+        except BaseException:  # e.g. no thread could start: nobody would stop this launcher
+            stop_unowned(launcher, receiver)
+            raise
         if interrupts.pending:  # the stop button during the launch: nobody got this job, so it stops
             handle.cancel(wait=False)
     return handle
+
+
+def stop_unowned(launcher: NodeLauncher, receiver: Receiver) -> None:
+    """Stop a launcher that started but that no handle or session came to own."""
+    launcher.kill()
+    launcher.close()
+    receiver.close()
 
 
 def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir, NodeLauncher, Receiver]:

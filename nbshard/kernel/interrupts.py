@@ -46,24 +46,18 @@ class Deferred:
             self.pending -= 1
             raise KeyboardInterrupt
 
-    @contextlib.contextmanager
-    def raising(self) -> Iterator[None]:
-        """Interrupts raise as usual inside (``input()``, which waits for a person, is left by one)."""
-        if not self.active:
-            yield
-            return
-        signal.signal(signal.SIGINT, self._previous)
-        try:
-            self.check()
-            yield
-        finally:
-            signal.signal(signal.SIGINT, self._count)
-
     def raising_in(self, fn: Callable[[str], str]) -> Callable[[str], str]:
-        """``fn`` called with interrupts raising as usual, the rest of the wait still counting them."""
+        """``fn`` called with interrupts raising as usual (``input()``, which waits for a person,
+        is left by one), the rest of the wait still counting them."""
         def call(text: str) -> str:
-            with self.raising():
+            if not self.active:
                 return fn(text)
+            signal.signal(signal.SIGINT, self._previous)
+            try:
+                self.check()
+                return fn(text)
+            finally:
+                signal.signal(signal.SIGINT, self._count)
         return call
 
 

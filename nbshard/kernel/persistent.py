@@ -71,7 +71,7 @@ class Session:
         self._start()
 
     def _start(self) -> None:
-        from nbshard.kernel.client import launch  # the client imports this module
+        from nbshard.kernel.client import launch, stop_unowned  # the client imports this module
 
         placeholder = Job(print, name=f"session-{self.name}", **self._options)
         self.world_size, self._paths, self._launcher, self._receiver = launch(
@@ -84,9 +84,7 @@ class Session:
                     raise ValueError(one_machine_only(self._options.get("backend", "?")))
                 self._take_over(self._launcher.pid)
             except BaseException:
-                self._launcher.kill()
-                self._launcher.close()
-                self._receiver.close()
+                stop_unowned(self._launcher, self._receiver)
                 raise
             if interrupts.pending:  # the stop button while the session started: it goes, as its cell does
                 self._launcher.kill()
