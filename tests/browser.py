@@ -57,7 +57,7 @@ class JupyterLab:
         )
         # A kernel that stops answering says where its threads are: an IPython startup file (kernels
         # only) has faulthandler write every thread's stack to kernel_stacks on SIGUSR2.
-        self.kernel_stacks = root / "kernel-stacks.txt"
+        self.kernel_stacks = home / "kernel-stacks.txt"  # out of the notebook's file browser
         startup = home / "ipython" / "profile_default" / "startup"
         startup.mkdir(parents=True, exist_ok=True)
         (startup / "00-stacks-on-sigusr2.py").write_text(
