@@ -1,8 +1,10 @@
 """Messages between the launcher (and ranks) and the kernel.
 
-Every message is a JSON object sent as two frames, ``[signature, payload]``,
-where the signature is an HMAC-SHA256 of the payload under a per-run key that
-lives only in the run directory. A frame with a bad or missing signature is
+Every message is a JSON object sent as one frame, its signature (an HMAC-SHA256 of the
+payload under a per-run key that lives only in the run directory, 64 hex digits) followed by
+the payload. One frame, so that a send queues all of a message or none of it, even when the
+stop button's ``KeyboardInterrupt`` lands in the middle of the send (between two frames it
+left half a message, which spoiled the next one). A frame with a bad or missing signature is
 dropped and counted, never decoded. Nothing is ever unpickled from a socket:
 results and errors travel as files.
 
@@ -69,6 +71,7 @@ MAX_MESSAGE_BYTES = 1 << 22  # 4 MiB: a sender drops a larger message of its own
 MAX_FRAME_BYTES = 2 * MAX_MESSAGE_BYTES  # what the kernel's socket takes from any peer
 RECEIVE_BATCH = 32  # messages decoded per receive() call
 SOCKET_NAME = "wire.sock"
+SIGNATURE_BYTES = 64  # an HMAC-SHA256 in hex, at the start of each frame
 IPC_PATH_MAX = 100  # bytes: a Unix socket's path must fit sun_path (108 with its NUL)
 
 
@@ -81,15 +84,16 @@ def _sign(key: bytes, payload: bytes) -> bytes:
 
 
 def encode(key: bytes, message: dict[str, Any]) -> list[bytes]:
+    """``message`` as the frames to send: one, its signature and its payload."""
     payload = json.dumps(message, separators=(",", ":")).encode()
-    return [_sign(key, payload), payload]
+    return [_sign(key, payload) + payload]
 
 
 def decode(key: bytes, frames: list[bytes]) -> dict[str, Any] | None:
     """The message, or None when the frames are not a message signed with ``key``."""
-    if len(frames) != 2:
+    if len(frames) != 1:
         return None
-    signature, payload = frames
+    signature, payload = frames[0][:SIGNATURE_BYTES], frames[0][SIGNATURE_BYTES:]
     if not hmac.compare_digest(signature, _sign(key, payload)):
         return None
     try:
@@ -208,11 +212,11 @@ class Sender:
         if wait and not self._socket.poll(int(wait * 1000), zmq.POLLOUT):
             return False
         self._seq += 1
-        frames = encode(self.key, {**message, "from": self.id, "seq": self._seq})
-        if len(frames[1]) > MAX_MESSAGE_BYTES:
+        [frame] = encode(self.key, {**message, "from": self.id, "seq": self._seq})
+        if len(frame) - SIGNATURE_BYTES > MAX_MESSAGE_BYTES:
             return False
         try:
-            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            self._socket.send(frame, zmq.NOBLOCK)
         except zmq.Again:
             return False
         self.sent = self._seq

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,11 +49,14 @@ def test_encode_decode_round_trip():
 
 def test_wrong_key_missing_signature_and_garbage_are_refused():
     key = new_key()
-    signature, payload = encode(key, {"kind": "end"})
-    assert decode(new_key(), [signature, payload]) is None
+    [frame] = encode(key, {"kind": "end"})
+    signature, payload = frame[:64], frame[64:]
+    assert decode(new_key(), [frame]) is None
     assert decode(key, [payload]) is None
-    assert decode(key, [b"", payload]) is None
-    assert decode(key, [signature, payload + b" "]) is None
+    assert decode(key, [b"", frame]) is None
+    assert decode(key, [signature, payload]) is None  # two frames, as before: refused
+    assert decode(key, [frame + b" "]) is None
+    assert decode(key, [frame[:-1]]) is None
 
 
 def test_sender_to_receiver_in_order(private_dir):
@@ -67,6 +71,46 @@ def test_sender_to_receiver_in_order(private_dir):
     messages = receive_all(receiver, 500)
     receiver.close()
     assert [m["index"] for m in messages] == list(range(500))
+
+
+def test_an_interrupt_anywhere_in_a_send_never_spoils_the_next_message(private_dir):
+    """The stop button raises KeyboardInterrupt at whatever bytecode a rank runs, also inside
+    ``log_metrics``' send. Raised at each point of a send in turn, the message after it still
+    arrives whole and signed: a send queues all of a message or none of it."""
+    key = new_key()
+    receiver = Receiver(key, private_dir)
+    sender = Sender(receiver.address, key)
+    points = 0
+    while True:
+        points += 1
+        executed = 0
+
+        def interrupt_at_point(frame, event, arg):
+            nonlocal executed
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                executed += 1
+                if executed == points:
+                    raise KeyboardInterrupt
+            return interrupt_at_point
+
+        sys.settrace(interrupt_at_point)
+        try:
+            sender.send({"kind": "event", "interrupted_at": points})
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        finally:
+            sys.settrace(None)
+        assert sender.send({"kind": "event", "after": points})
+        if finished:
+            break
+    assert points > 20  # the interrupt landed at every bytecode of the send, the socket's included
+    sender.close()
+    messages = receive_all(receiver, 2 * points, within=3.0)
+    receiver.close()
+    assert sorted(m["after"] for m in messages if "after" in m) == list(range(1, points + 1))
+    assert receiver.rejected == 0
 
 
 def test_unsigned_frames_are_dropped_and_counted(private_dir):
