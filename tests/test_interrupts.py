@@ -168,3 +168,38 @@ def test_an_interrupt_while_a_launch_starts_leaves_nothing_running(runs_dir, pat
                      env={"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": pythonpath(REPO, REPO / "tests")})
     assert out.splitlines()[:2] == ["interrupted", "left running: {}"], out
     assert "the next launch works" in out, out
+
+
+INTERRUPTED_CALL = """
+import os, signal, time
+import nbshard
+from nbshard.kernel import persistent
+
+sent = persistent.Session._command
+pressed = []
+
+def command(self, line):
+    if line.startswith("run ") and not pressed:  # the call is the session's current one, its command not yet sent
+        pressed.append(True)
+        os.kill(os.getpid(), signal.SIGINT)  # as the stop button would, now
+        time.sleep(0.3)  # where Python would raise it
+    return sent(self, line)
+
+persistent.Session._command = command
+session = nbshard.session("s", nproc=2)
+started = time.monotonic()
+try:
+    session.run(time.sleep, 600)
+except KeyboardInterrupt:
+    print("interrupted within 30 s:", time.monotonic() - started < 30)
+print(session.run(print, "the next call works"))
+session.close()
+"""
+
+
+def test_an_interrupt_while_a_session_call_starts_stops_that_call(runs_dir):
+    """The stop button just as a call is sent: the call it started is interrupted (or was never
+    sent), and the session takes the next call rather than refusing it as busy forever."""
+    out = run_python(INTERRUPTED_CALL, env={"NBSHARD_RUNS_DIR": str(runs_dir)})
+    assert out.splitlines()[0] == "interrupted within 30 s: True", out
+    assert "the next call works" in out, out

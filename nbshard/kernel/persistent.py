@@ -139,6 +139,17 @@ class Session:
         grace = self.interrupt_grace + self._options.get("grace", 2.0) + 2.0  # the launcher's whole stop
         job = call_job(target, args, options, session=self.name, world_size=self.world_size, grace=grace)
         payload = pickled_job(job)
+        handle: CallHandle | None = None
+        try:
+            with deferred_interrupts():  # a call sent is one its caller holds, never one nobody can stop
+                handle = self._send_call(job, payload)
+                return handle
+        except KeyboardInterrupt:
+            if handle is not None:  # the stop button as the call started: it is interrupted and waited for
+                handle.cancel()
+            raise
+
+    def _send_call(self, job: Job, payload: bytes) -> CallHandle:
         with self._lock:
             self._check_usable()
             if self._current is not None and not self._current.done():
