@@ -19,9 +19,10 @@ from typing import Any
 
 from nbshard.files import read_json, write_json
 
-__all__ = ["LAUNCH_SPEC_VERSION", "Attempt", "LaunchSpec", "RankOutcome", "RunOutcome", "Status"]
+__all__ = ["LAUNCH_SPEC_VERSION", "OTHER_VERSION", "Attempt", "LaunchSpec", "RankOutcome", "RunOutcome", "Status"]
 
-LAUNCH_SPEC_VERSION = 1
+LAUNCH_SPEC_VERSION = 2  # 2: each wire message is one frame (a kernel and launcher of version 1 send two)
+OTHER_VERSION = "another version of nbshard"  # how a contract read by a mismatched nbshard says so
 
 
 class Status(str, enum.Enum):
@@ -63,7 +64,7 @@ def _from_fields(cls: type, data: dict[str, Any], what: str) -> Any:
     if unknown:
         raise ValueError(
             f"{what} holds fields this nbshard does not know ({', '.join(sorted(unknown))}): it was written by "
-            "another version of nbshard. Use the same nbshard in the kernel and on every node."
+            f"{OTHER_VERSION}. Use the same nbshard in the kernel and on every node."
         )
     return cls(**data)
 
@@ -117,7 +118,7 @@ class LaunchSpec:
         if version != LAUNCH_SPEC_VERSION:
             raise ValueError(
                 f"launch.json has version {version!r}, this nbshard reads version {LAUNCH_SPEC_VERSION}: the launcher "
-                "runs another nbshard than the kernel. Install the same nbshard where the ranks run."
+                f"runs {OTHER_VERSION} than the kernel. Install the same nbshard where the ranks run."
             )
         return _from_fields(cls, data, "launch.json")
 

@@ -19,7 +19,7 @@ def test_a_launch_spec_round_trips_through_its_file(tmp_path):
 
 def test_a_launch_spec_of_another_version_or_with_unknown_fields_says_so(tmp_path):
     data = LaunchSpec(address="a", run_id="r", cwd="/", nproc_per_node=1).to_json()
-    with pytest.raises(ValueError, match="version 99, this nbshard reads version 1: the launcher runs another nbshard"):
+    with pytest.raises(ValueError, match=f"version 99, this nbshard reads version {LAUNCH_SPEC_VERSION}: the launcher runs another version of nbshard"):
         LaunchSpec.from_json({**data, "version": 99})
     with pytest.raises(ValueError, match=r"fields this nbshard does not know \(nproc\)"):
         LaunchSpec.from_json({**data, "nproc": 2})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -400,3 +401,22 @@ def test_every_file_and_directory_of_a_run_is_private_under_umask_000(script, ru
     assert any(runs_dir.rglob("calls")), "the session's calls directory was checked"
     assert any(runs_dir.rglob("error-1.json")) and (warm_dir / "status.json").exists(), "a failure and the warm process were checked"
     assert not loose, loose
+
+
+def test_a_launcher_of_another_nbshard_says_so_and_what_to_do(tmp_path):
+    """As after ``pip install -U nbshard`` in a running kernel: the launcher imports the nbshard
+    on disk, which reads another version of the kernel's launch.json (and speaks another wire)."""
+    other = tmp_path / "other"
+    shutil.copytree(Path(nbshard.__file__).parent, other / "nbshard", ignore=shutil.ignore_patterns("__pycache__"))
+    contracts = other / "nbshard" / "contracts.py"
+    source = contracts.read_text()
+    assert "\nLAUNCH_SPEC_VERSION = " in source
+    contracts.write_text(source.replace("\nLAUNCH_SPEC_VERSION = ", "\nLAUNCH_SPEC_VERSION = 100 + ", 1))
+    path = os.pathsep.join([str(other), os.environ.get("PYTHONPATH", "")])
+    with pytest.raises(nbshard.JobFailed) as caught:  # in tmp_path, so that `python -m` puts no other nbshard first
+        nbshard.run(programs.rank_and_value, 1, nproc=1, env={"PYTHONPATH": path}, cwd=str(tmp_path))
+    message = str(caught.value)
+    first = message.splitlines()[0]
+    assert first.startswith("The nbshard launcher failed by itself (exited with code 1) before the job ended: "), message
+    assert "this nbshard reads version 10" in first and "runs another version of nbshard than the kernel" in first, message
+    assert "Likely cause: nbshard was upgraded or reinstalled after this kernel imported it (restart the kernel)" in message
