@@ -203,3 +203,71 @@ def test_an_interrupt_while_a_session_call_starts_stops_that_call(runs_dir):
     out = run_python(INTERRUPTED_CALL, env={"NBSHARD_RUNS_DIR": str(runs_dir)})
     assert out.splitlines()[0] == "interrupted within 30 s: True", out
     assert "the next call works" in out, out
+
+
+INTERRUPTED_ANYWHERE = """
+import signal, sys, time
+import nbshard
+from nbshard.kernel.persistent import SessionBusy
+
+
+class InterruptAt:
+    '''A trace function that raises KeyboardInterrupt at the ``point``-th place where a real
+    SIGINT can: as a Python function starts and as a call returns (where CPython runs signal
+    handlers), in nbshard's frames and the frames they call, while Python's own handler is in.'''
+
+    def __init__(self, point):
+        self.point, self.seen, self.raised_at = point, 0, None
+
+    def __call__(self, frame, event, arg):
+        if event == "call":
+            caller = frame.f_back
+            if "/nbshard/" not in frame.f_code.co_filename and not (caller and "/nbshard/" in caller.f_code.co_filename):
+                return None
+            frame.f_trace_lines = False
+        if event in ("call", "return") and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.seen += 1
+            if self.seen == self.point:
+                self.raised_at = f"{event} of {frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+                raise KeyboardInterrupt
+        return self
+
+
+def next_call_works(session):
+    deadline = time.monotonic() + 5
+    while True:  # as a person would: the interrupted call may take a moment to end
+        try:
+            return session.submit(int).result(timeout=15) == 0
+        except SessionBusy:
+            if time.monotonic() > deadline:
+                raise
+
+
+session = nbshard.session("s", nproc=2)
+for name, call in [("submit", lambda: session.submit(time.sleep, 0.005).result()),
+                   ("run", lambda: session.run(time.sleep, 0.005))]:
+    point = 0
+    while True:
+        point += 1
+        interrupt = InterruptAt(point)
+        sys.settrace(interrupt)
+        try:
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if interrupt.raised_at is None:
+            break  # the call ran past its last point
+        assert next_call_works(session), interrupt.raised_at
+    print(name, "points", point - 1)
+session.close()
+"""
+
+
+def test_an_interrupt_at_any_point_of_a_session_call_leaves_the_session_usable(runs_dir):
+    """The stop button at each place in turn where Python can raise it during a session's call
+    (``submit().result()`` and ``run``): every time, the next call works within seconds."""
+    out = run_python(INTERRUPTED_ANYWHERE, env={"NBSHARD_RUNS_DIR": str(runs_dir)})
+    counts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines() if " points " in line}
+    assert counts.keys() == {"submit", "run"} and min(counts.values()) > 50, out
