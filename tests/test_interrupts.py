@@ -271,3 +271,38 @@ def test_an_interrupt_at_any_point_of_a_session_call_leaves_the_session_usable(r
     out = run_python(INTERRUPTED_ANYWHERE, env={"NBSHARD_RUNS_DIR": str(runs_dir)})
     counts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines() if " points " in line}
     assert counts.keys() == {"submit", "run"} and min(counts.values()) > 50, out
+
+
+INTERRUPTED_CLOSE = """
+import os, signal, time
+import nbshard
+from conftest import wait_until_gone
+from nbshard.kernel import persistent
+
+sent = persistent.Session._command
+
+def command(self, line):
+    if line == "close":
+        os.kill(os.getpid(), signal.SIGINT)  # the stop button as the session closes
+        time.sleep(0.3)  # where Python would raise it
+    return sent(self, line)
+
+persistent.Session._command = command
+session = nbshard.session("s", nproc=2)
+try:
+    session.close()
+except KeyboardInterrupt:
+    print("interrupted")
+print("state:", session.state, "listed:", nbshard.sessions())
+print("left running:", wait_until_gone(os.environ["NBSHARD_RUNS_DIR"], within=5.0))
+persistent.Session._command = sent
+print(nbshard.session("s", nproc=2).run(print, "a new session works"))
+"""
+
+
+def test_an_interrupt_while_a_session_closes_still_closes_it(runs_dir):
+    """The stop button during ``close()``: the ranks are killed rather than left running, and
+    the name starts a new session rather than handing back the closed one."""
+    out = run_python(INTERRUPTED_CLOSE, env={"NBSHARD_RUNS_DIR": str(runs_dir), "PYTHONPATH": pythonpath(REPO, REPO / "tests")})
+    assert out.splitlines()[:3] == ["interrupted", "state: closed listed: []", "left running: {}"], out
+    assert "a new session works" in out, out

@@ -338,19 +338,25 @@ class Session:
     # -- lifetime -----------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the ranks and free what they hold: a running call is interrupted first."""
-        current = self._current
-        if current is not None and not current.done():
-            current.cancel()
-        if self.state not in ("lost", "closed"):
-            self.state = "closed"
-            self._command("close")
-            self._thread.join(self.interrupt_grace + self._options.get("grace", 2.0) + CLOSE_MARGIN)
-        self._launcher.kill()
-        self._thread.join()
-        with _sessions_lock:
-            if _sessions.get(self.name) is self:
-                del _sessions[self.name]
+        """Stop the ranks and free what they hold: a running call is interrupted first. The stop
+        button during a close cuts its waits short, never the close: the ranks are then killed."""
+        try:
+            current = self._current
+            if current is not None and not current.done():
+                current.cancel()
+            if self.state not in ("lost", "closed"):
+                self.state = "closed"
+                self._command("close")
+                self._thread.join(self.interrupt_grace + self._options.get("grace", 2.0) + CLOSE_MARGIN)
+        finally:
+            with deferred_interrupts():
+                if self.state != "lost":
+                    self.state = "closed"
+                self._launcher.kill()
+                self._thread.join()
+                with _sessions_lock:
+                    if _sessions.get(self.name) is self:
+                        del _sessions[self.name]
 
     def __enter__(self) -> Session:
         return self
@@ -375,6 +381,10 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
     check_session_options(name, interrupt_grace, options)
     with _sessions_lock:
         existing = _sessions.get(name)
+        if existing is not None and existing.state == "closed":  # a close the stop button cut short
+            existing._launcher.kill()
+            del _sessions[name]
+            existing = None
         if existing is not None:  # running, diverged or lost: lost stays lost until restart() or close()
             asked = {k: v for k, v in options.items() if v is not None}
             differs = {k for k, v in asked.items() if existing._options.get(k) != v}
@@ -392,11 +402,13 @@ def session(name: str = "default", *, interrupt_grace: float = DEFAULT_INTERRUPT
 def sessions() -> list[Session]:
     """This kernel's sessions that are not closed (``state``: running, diverged or lost)."""
     with _sessions_lock:
-        return list(_sessions.values())
+        return [s for s in _sessions.values() if s.state != "closed"]
 
 
 def _close_all() -> None:
-    for open_session in sessions():
+    with _sessions_lock:
+        held = list(_sessions.values())  # a close cut short included
+    for open_session in held:
         open_session._launcher.kill()  # the kernel is exiting: no grace, the ranks go with it
 
 
