@@ -349,14 +349,14 @@ class Session:
                 self._command("close")
                 self._thread.join(self.interrupt_grace + self._options.get("grace", 2.0) + CLOSE_MARGIN)
         finally:
-            with deferred_interrupts():
+            with deferred_interrupts():  # the close itself; the wait below stays interruptible
                 if self.state != "lost":
                     self.state = "closed"
                 self._launcher.kill()
-                self._thread.join()
                 with _sessions_lock:
                     if _sessions.get(self.name) is self:
                         del _sessions[self.name]
+        self._thread.join()  # it ends with the launcher
 
     def __enter__(self) -> Session:
         return self
