@@ -162,7 +162,11 @@ def test_a_failing_rank_fails_the_cell_with_the_cells_own_lines(notebook):
     [
         ("%%shard_train --nproc x\npass", "invalid int value: 'x'"),
         ("%%shard_train --nproc 0\npass", "nproc must be a positive integer"),
-        ("%%shard_train --bogus\npass", "unrecognized arguments: --bogus"),
+        ("%%shard_train --bogus\npass", "unrecognized arguments: --bogus. The options: %shard_train?"),
+        ("%%shard_train --nprocs 2\npass", "--nprocs (did you mean --nproc?)"),
+        ("%%shard_train --nproc_per_node 2 --max_restarts 1\npass",
+         "--nproc_per_node (did you mean --nproc?); --max_restarts (did you mean --max-restarts?)"),
+        ("%shard_session s --num-processes 2", "--num-processes (did you mean --nproc?)"),
         ("%%shard_train --env NOEQUALS\npass", "--env takes KEY=VALUE"),
         ("%%shard_train --show-ranks first\npass", "--show-ranks takes rank numbers"),
         ("%%shard_train --nproc 2 --show-ranks 0,2\npass", "show_ranks names rank 2, but the job has 2 ranks (0 to 1)"),

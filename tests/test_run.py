@@ -49,6 +49,20 @@ def test_keyword_arguments_go_through_kwargs_and_unknown_options_are_refused():
         nbshard.run(programs.rank_and_value, nproc=1, value=3)
 
 
+@pytest.mark.parametrize(("option", "meant"), [("nprocs", "nproc"), ("num_processes", "nproc"), ("nproc_per_node", "nproc"),
+                                               ("devices", "nproc"), ("num_nodes", "nnodes"), ("timout", "timeout")])
+def test_a_peers_name_or_a_typo_for_an_option_says_which_one_is_meant(runs_dir, option, meant):
+    with pytest.raises(TypeError, match=rf"unknown option\(s\) {option} \(did you mean {meant}\?\)"):
+        nbshard.submit(programs.rank_and_value, **{option: 2})
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
+def test_a_peers_name_for_a_session_option_says_which_one_is_meant(runs_dir):
+    with pytest.raises(TypeError, match=r"unknown session option\(s\) nprocs \(did you mean nproc\?\)"):
+        nbshard.session("s", nprocs=2)
+    assert nbshard.sessions() == []
+
+
 def test_ranks_see_torchruns_environment_and_not_jupyters(monkeypatch, tmp_path):
     monkeypatch.setenv("JPY_PARENT_PID", "12345")
     monkeypatch.setenv("MASTER_PORT", "1")  # a stale torchrun variable in the kernel

@@ -30,6 +30,7 @@ from nbshard.environment import launch_environment
 from nbshard.job import Job, RunDir, check_ranks_exist
 from nbshard.leftovers import process_identity
 from nbshard.limits import check_can_start
+from nbshard.kernel.option_names import unknown_options
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
 from nbshard.kernel.runs import new_run_dir, prune_runs
@@ -75,7 +76,7 @@ def _as_job(target: Job | Callable[..., Any], args: tuple[Any, ...], options: di
     unknown = set(options) - _OPTIONS
     if unknown:
         raise TypeError(
-            f"unknown option(s) {', '.join(sorted(unknown))}; nbshard options are "
+            f"unknown option(s) {unknown_options(unknown, _OPTIONS)}; nbshard options are "
             f"{', '.join(sorted(_OPTIONS))}. To pass keyword arguments to the function, "
             "use kwargs={...}."
         )

@@ -22,6 +22,7 @@ from nbshard.kernel.cell import free_names, run_cell
 from nbshard.kernel.client import submit
 from nbshard.errors import short_traceback
 from nbshard.kernel.handle import JobHandle
+from nbshard.kernel.option_names import meant
 from nbshard.job import Job
 from nbshard.kernel.persistent import Session, session, sessions
 from nbshard.pickling import describe_unpicklable, find_unpicklable, is_notebook_code
@@ -160,7 +161,7 @@ class ShardMagics(Magics):
             model = MyModel(cfg)
             losses = train_loop(model, data)
         """
-        args = parse_argstring(self.shard_train, line)
+        args = _parse(self.shard_train, line)
         shell = self._shell
         _check_plain_python(shell, cell)
         pull = _names(args.pull, "--pull")
@@ -282,7 +283,7 @@ class ShardMagics(Magics):
 
             %shard_session llm --nproc 2
         """
-        args = parse_argstring(self.shard_session, line)
+        args = _parse(self.shard_session, line)
         if args.close and args.restart:
             raise UsageError("%shard_session: --restart and --close contradict each other; give one (--restart starts new ranks)")
         if args.close or args.restart:
@@ -306,7 +307,7 @@ class ShardMagics(Magics):
             %shard_debug          # the first rank that raised
             %shard_debug 1 --session llm
         """
-        args = parse_argstring(self.shard_debug, line)
+        args = _parse(self.shard_debug, line)
         running = sessions()
         if args.session is not None:
             running = [s for s in running if s.name == args.session]
@@ -321,6 +322,21 @@ class ShardMagics(Magics):
             running[0].debug(args.rank)
         except (ValueError, RuntimeError) as error:
             raise UsageError(f"%shard_debug: {error}") from None
+
+
+def _parse(magic: Any, line: str) -> Any:
+    """The magic's arguments; an unknown flag is answered with the one it likely means."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as error:
+        text = str(error)
+        if not text.startswith("unrecognized arguments:"):
+            raise
+        flags = {flag[2:].replace("-", "_"): flag for action in magic.parser._actions for flag in action.option_strings
+                 if flag.startswith("--")}
+        hints = [f"{token} (did you mean {flags[guess]}?)" for token in text.split(":", 1)[1].split()
+                 if token.startswith("-") and (guess := meant(token, flags))]
+        raise UsageError("; ".join([text, *hints]) + f". The options: %{magic.__name__}?") from None
 
 
 def _is_code(value: Any) -> bool:

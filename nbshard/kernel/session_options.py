@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbshard.job import Job, check_seconds
+from nbshard.kernel.option_names import unknown_options
 
 __all__ = ["CALL_OPTIONS", "SESSION_OPTIONS", "call_job", "check_session_options", "one_machine_only"]
 
@@ -28,7 +29,7 @@ def one_machine_only(backend: str) -> str:
 def check_session_options(name: str, interrupt_grace: float, options: dict[str, Any]) -> None:
     unknown = set(options) - SESSION_OPTIONS
     if unknown:
-        raise TypeError(f"unknown session option(s) {', '.join(sorted(unknown))}; a session takes {', '.join(sorted(SESSION_OPTIONS))}")
+        raise TypeError(f"unknown session option(s) {unknown_options(unknown, SESSION_OPTIONS)}; a session takes {', '.join(sorted(SESSION_OPTIONS))}")
     if not isinstance(name, str) or not name:
         raise ValueError(f"a session's name is a non-empty string, got {name!r}")
     check_seconds("interrupt_grace", interrupt_grace)
@@ -63,6 +64,6 @@ def call_job(target: Job | Callable[..., Any], args: tuple[Any, ...], options: d
         fn = target
     unknown = set(options) - CALL_OPTIONS
     if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; a call takes {', '.join(sorted(CALL_OPTIONS))}")
+        raise TypeError(f"unknown option(s) {unknown_options(unknown, CALL_OPTIONS)}; a call takes {', '.join(sorted(CALL_OPTIONS))}")
     label = options.pop("name", None) or getattr(fn, "__qualname__", None) or repr(fn)  # as Job.label
     return Job(fn, args, nproc=world_size, grace=grace, name=f"{label} in session {session!r}", **options)
