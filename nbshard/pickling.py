@@ -1,10 +1,9 @@
-"""Serialization of jobs (kernel to ranks) and results (ranks to kernel).
+"""Serialization of jobs (kernel to ranks); results (ranks to kernel) are ``results.py``.
 
 Jobs use cloudpickle, so functions, classes and lambdas defined in notebook
 cells travel by value. When something cannot be pickled, the error names the
 object and the path by which it was reached (``train.__globals__['lock']``),
-before any process starts. Results move tensors to the CPU first, so loading
-a result never creates a CUDA context in the kernel.
+before any process starts.
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ from typing import Any
 import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
-from nbshard.files import read_json, write_atomic_with, write_json
+from nbshard.files import read_json, write_json
 from nbshard.job import RunDir
 
 __all__ = [
-    "RESULT_HINT", "ProcessLocalState", "describe_unpicklable", "dump_job", "dump_result", "find_unpicklable", "is_notebook_code",
-    "notebook_sources", "register_sources", "write_result", "write_sources",
+    "Pickler", "ProcessLocalState", "describe_unpicklable", "dump_job", "find_unpicklable", "is_notebook_code",
+    "notebook_sources", "register_sources", "write_sources",
 ]
 
 _MAX_DEPTH = 6
@@ -98,12 +97,6 @@ SENDING_HINT = (
     "Likely cause: an object tied to this process (a lock, an open file or socket, a generator, "
     "a CUDA handle) is referenced by the function or its arguments. What to do: create it inside "
     "the function, or pass what is needed to build it (a path, a config)."
-)
-RESULT_HINT = (
-    "Likely cause: the value holds an object tied to the rank's process (a lock, an open file, a "
-    "process group, a DataLoader, a Trainer holding them). What to do: bring back what can travel "
-    "(model.state_dict(), tensors, numbers, plain data), or save it to a file in the rank and load "
-    "that in the notebook."
 )
 
 
@@ -189,7 +182,9 @@ def _reduce_process_local(obj: Any, set_up_again: bool, classes: tuple[tuple[typ
     return NotImplemented
 
 
-class _Pickler(cloudpickle.Pickler):
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle keeping code's file names (for tracebacks) and rebuilding process-local state."""
+
     dispatch_table = collections.ChainMap(
         # Only where this cloudpickle has the reducer we wrap (a private name, checked here).
         {types.CodeType: _code_reduce_keeping_filename} if hasattr(_cloudpickle_internals, "_code_reduce") else {},
@@ -207,7 +202,7 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
 
-def _dumps(value: Any, pickler: type[cloudpickle.Pickler] = _Pickler) -> bytes:
+def _dumps(value: Any, pickler: type[cloudpickle.Pickler] = Pickler) -> bytes:
     buffer = io.BytesIO()
     pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
@@ -272,88 +267,3 @@ def register_sources(run_dir: RunDir) -> None:
         for name, text in read_json(run_dir.sources).items():
             _cells[name] = (len(text), None, text.splitlines(keepends=True), name)
     linecache.cache.update(_cells)
-
-
-class _DTensorResult(TypeError):
-    pass
-
-
-class _ResultPickler(_Pickler):
-    """Moves tensors to the CPU and refuses DTensors, which only make sense across ranks."""
-
-    set_up_again = False  # what it pickles is for the kernel
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-            if dtensor is not None and isinstance(obj, dtensor):
-                raise _DTensorResult(
-                    "the result holds a DTensor (a sharded tensor, e.g. an FSDP2 parameter), "
-                    "which means nothing outside the ranks. Gather it first with "
-                    "tensor.full_tensor() (a collective every rank must call), or return "
-                    "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
-                    "cpu_offload=True)) from rank 0."
-                )
-            reduced = _tensor_as_buffer(torch, obj)
-            if reduced is not None:
-                return reduced
-            if obj.device.type not in ("cpu", "meta"):
-                cpu = obj.detach().cpu()
-                if isinstance(obj, torch.nn.Parameter):
-                    cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
-                return cpu.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return super().reducer_override(obj)
-
-
-def _tensor_as_buffer(torch: Any, tensor: Any) -> Any:
-    """A dense tensor (on the CPU once moved there) pickled as its raw bytes, written straight
-    from its memory and read back into one buffer the tensor then uses: about its own size on
-    each side, where torch's own pickling holds three copies. None for other kinds of tensor."""
-    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
-    if not plain or tensor.device.type == "meta" or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
-        return None
-    try:
-        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):  # no numpy here, or a dtype numpy cannot view
-        return None
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    parameter = isinstance(tensor, torch.nn.Parameter)
-    return _tensor_from_buffer, (pickle.PickleBuffer(raw), dtype, tuple(tensor.shape), tensor.requires_grad, parameter)
-
-
-def _tensor_from_buffer(buffer: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
-    import torch
-
-    if not isinstance(buffer, bytearray):  # read-only memory would make torch warn, and copy anyway
-        buffer = bytearray(buffer)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
-    tensor = flat.view(getattr(torch, dtype)).reshape(shape)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_() if requires_grad else tensor
-
-
-def write_result(path: Any, value: Any, keep_small: int | None = None) -> bytes | None:
-    """Pickle a rank's result straight into ``path`` (atomically); TypeError naming the culprit.
-    With ``keep_small``: a result of at most that many bytes is returned instead (no file made)."""
-    return write_atomic_with(path, lambda file: _dump_result_into(file, value, "the returned value"), keep_small=keep_small)
-
-
-def dump_result(value: Any, path: str = "the returned value") -> bytes:
-    """The pickled result of a rank as bytes; TypeError naming the culprit (under ``path``)."""
-    buffer = io.BytesIO()
-    _dump_result_into(buffer, value, path)
-    return buffer.getvalue()
-
-
-def _dump_result_into(file: Any, value: Any, path: str) -> None:
-    try:
-        _ResultPickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    except _DTensorResult as error:
-        raise TypeError(f"Cannot send {path} back: {error}") from None
-    except Exception as error:
-        found = find_unpicklable(value, path)
-        if found is not None:
-            raise TypeError(describe_unpicklable(found, "Cannot send the result back", RESULT_HINT)) from None
-        raise TypeError(f"Cannot send {path} back: {error}. {RESULT_HINT}") from None

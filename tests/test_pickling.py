@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from nbshard.pickling import dump_job, dump_result
+from nbshard.pickling import dump_job
+from nbshard.results import dump_result
 
 LOCK = threading.Lock()
 

@@ -145,7 +145,7 @@ def free_names(source: str) -> set[str]:
 def _pickled_each(namespace: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """Each pulled name pickled on its own, so one that cannot travel costs only itself:
     ``{"values": {name: bytes}, "failed": {name: why}}``."""
-    from nbshard.pickling import dump_result
+    from nbshard.results import dump_result
 
     pulled: dict[str, Any] = {"values": {}, "failed": {}}
     for name in names:

@@ -58,7 +58,7 @@ class _NotebookMainFile:
         if cls.pending is None:
             return
         (path, objects), cls.pending = cls.pending, None
-        from nbshard.pickling import dump_result
+        from nbshard.results import dump_result
 
         try:
             data = dump_result(objects)
@@ -132,7 +132,8 @@ _MAX_PICKLED_ERROR = 1 << 20  # an exception holding more (a tensor argument) ar
 def _pickled_exception(error: BaseException) -> tuple[str, str]:
     """``error`` pickled by value (its class and args intact, a notebook's class included) as
     base64, and "" ; or "" and why it could not be, for the kernel to say so."""
-    from nbshard.pickling import dump_result, find_unpicklable
+    from nbshard.pickling import find_unpicklable
+    from nbshard.results import dump_result
 
     try:
         data = dump_result(error, "the exception")
@@ -193,7 +194,8 @@ def run_job(
     (``keep``: which of its names the notebook's do not replace; ``announce``: tell the kernel when
     the job is loaded and runs; ``main_file``: where spawn-started children find the notebook's
     names, ``paths``' own by default)."""
-    from nbshard.pickling import register_sources, write_result
+    from nbshard.pickling import register_sources
+    from nbshard.results import write_result
 
     register_sources(paths)  # pdb here shows the notebook's cells
     try:

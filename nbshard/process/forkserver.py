@@ -48,7 +48,7 @@ KERNEL_PIDFD_IN_LAUNCHER = 3
 SPARE_DELAY = 1.0
 SPARE = "spare"  # the selector's mark for the waiting spare's pidfd
 _ALWAYS = (
-    "nbshard.process.entry", "nbshard.process.worker", "nbshard.pickling", "nbshard.rank.monitor", "nbshard.kernel.cell",
+    "nbshard.process.entry", "nbshard.process.worker", "nbshard.pickling", "nbshard.results", "nbshard.rank.monitor", "nbshard.kernel.cell",
 )
 
 
