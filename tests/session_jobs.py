@@ -69,6 +69,18 @@ def raise_on_rank_1_while_rank_0_waits() -> None:
     dist.barrier()
 
 
+def raise_on_rank_0_after_the_session_was_lost(late: float) -> None:
+    """Rank 1 raises; rank 0 outlives the grace the session gives it, ignores SIGTERM (only
+    SIGKILL stops it) and raises ``late`` seconds in: an answer after the session was lost."""
+    import signal
+
+    if rank() == 1:
+        raise ValueError("rank 1 raised first")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(late)
+    raise RuntimeError("rank 0 raised after the session was lost")
+
+
 def sleep_long() -> None:
     print("sleeping", flush=True)
     time.sleep(120)

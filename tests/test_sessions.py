@@ -107,6 +107,14 @@ def test_a_rank_left_waiting_for_one_that_raised_loses_the_session_with_its_stac
         session.run(jobs.pid)
 
 
+def test_an_answer_that_comes_after_the_session_was_lost_does_not_make_it_live_on(session):
+    # interrupt_grace=2: lost at 2 s, SIGTERM (ignored) at 2.5 s, SIGKILL at 3.5 s; rank 0 answers at 3 s.
+    with pytest.raises(nbshard.SessionLost, match="rank 0 did not leave the call within 2 s after rank 1 raised") as lost:
+        session.run(jobs.raise_on_rank_0_after_the_session_was_lost, 3.0)
+    assert [failure.rank for failure in lost.value.failures] == [1, 0] and lost.value.failures[1].stopped
+    assert not wait_until_gone(session.run_dir, within=5.0)
+
+
 def test_an_interrupted_call_ends_quickly_and_the_session_lives_on(session):
     session.run(jobs.remember, "kept")
     handle = session.submit(jobs.sleep_long)

@@ -102,7 +102,7 @@ class SessionLauncher:
             call, status, count, value, sample = line.decode().split(" ", 4)
             if call == POST_MORTEM:
                 self.group.stream.send({"kind": "event", "event": POST_MORTEM, "rank": target, "found": status == "done"})
-            elif call == self.call:
+            elif call == self.call and self.group.stop_reason is None:  # once the session ends, the call ends with it
                 self.replies[target] = (status, None if count == "-" else int(count), time.time())
                 if value != "-":
                     self.values[str(target)] = value
