@@ -182,6 +182,8 @@ def _validate(job: Job) -> None:
                 raise ValueError(f"gpus holds {gpu!r}: use non-negative indices or GPU UUID strings")
         if len(set(map(str, job.gpus))) != len(job.gpus):
             raise ValueError(f"gpus lists a GPU twice: {list(job.gpus)}")
+    if not isinstance(job.env, Mapping):
+        raise TypeError(f"env must be a dict of environment variables, e.g. {{'KEY': 'value'}}; got {job.env!r}")
     for key, value in job.env.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"env must map str to str; {key!r}: {value!r} is not (use str(value))")

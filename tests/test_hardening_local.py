@@ -260,6 +260,13 @@ def test_an_environment_no_process_can_have_is_refused_at_submit(env, says, runs
     assert not runs_dir.exists() or not list(runs_dir.iterdir())
 
 
+@pytest.mark.parametrize("env", ["A=1", ["A=1"], None])
+def test_an_environment_that_is_not_a_dict_says_what_it_should_be(env, runs_dir):
+    with pytest.raises(TypeError, match=r"env must be a dict of environment variables, e.g. \{'KEY': 'value'\}; got"):
+        nbshard.submit(programs.rank_and_value, 1, nproc=1, env=env)
+    assert not runs_dir.exists() or not list(runs_dir.iterdir())
+
+
 def test_ranks_to_show_or_debug_that_the_default_nproc_lacks_are_refused_before_anything_starts(runs_dir):
     with pytest.raises(ValueError, match="show_ranks names rank 64, but the job has \\d+ ranks? \\(0 to"):
         nbshard.submit(programs.rank_and_value, 1, show_ranks=[64])  # nproc defaults to the GPUs, or 1
