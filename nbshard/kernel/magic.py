@@ -8,7 +8,6 @@ names back. Works like ipyparallel's ``%%px``, on torchrun-style processes.
 
 from __future__ import annotations
 
-import keyword
 import pickle
 import types
 from typing import Any
@@ -16,13 +15,13 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbshard.kernel import magic_input
 from nbshard.kernel.cell import free_names, run_cell
 from nbshard.kernel.client import submit
 from nbshard.errors import short_traceback
 from nbshard.kernel.handle import JobHandle
-from nbshard.kernel.option_names import meant
 from nbshard.job import Job
 from nbshard.kernel.persistent import Session, session, sessions
 from nbshard.pickling import describe_unpicklable, find_unpicklable, is_notebook_code
@@ -31,78 +30,6 @@ __all__ = ["PullFailed", "ShardMagics", "load_ipython_extension"]
 
 # Names IPython keeps in the user namespace for itself; never shipped.
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
-
-
-def _names(values: list[str], flag: str | None = None) -> list[str]:
-    """``["a,b", "c"]`` (repeated options, commas or spaces) as ``["a", "b", "c"]``; with
-    ``flag``, each must be a name a cell can assign (UsageError before anything starts)."""
-    names = [name for value in values for name in value.replace(",", " ").split()]
-    for name in names if flag else ():
-        if not name.isidentifier() or keyword.iskeyword(name):
-            raise UsageError(f"%%shard_train {flag} {name}: not a Python name a cell can assign (quotes are kept as typed: "
-                             f"write {flag} a,b)")
-    return names
-
-
-def _gpus(text: str | None) -> tuple[int | str, ...] | None:
-    if text is None:
-        return None
-    return tuple(int(g) if g.strip().isdigit() else g.strip() for g in text.split(",") if g.strip())
-
-
-def _ranks(text: str | None, flag: str = "--show-ranks") -> list[int] | None:
-    if text is None:
-        return None
-    names = _names([text])
-    if not all(name.isdigit() for name in names):
-        raise UsageError(f"{flag} takes rank numbers, e.g. 0 or 0,1; got {text!r}")
-    return [int(name) for name in names]
-
-
-def _environment(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--env takes KEY=VALUE, got {pair!r}")
-        env[key] = value
-    return env
-
-
-def _compiles(source: str) -> None:
-    """Compile ``source`` as a module (a SyntaxError where it is not one): beyond parsing, this
-    finds what only the compiler refuses (``return``, ``yield`` or ``await`` outside a function)."""
-    compile(source, "<cell>", "exec", dont_inherit=True)
-
-
-def _check_plain_python(shell: Any, body: str) -> None:
-    """The body runs as plain Python in each rank: refuse IPython syntax, and code that is no
-    module, before launching."""
-    try:
-        _compiles(body)
-        return
-    except SyntaxError as error:
-        problem = error
-    try:
-        _compiles(shell.transform_cell(body))
-    except SyntaxError:
-        lines = body.splitlines()
-        line = lines[problem.lineno - 1] if problem.lineno and problem.lineno <= len(lines) else ""
-        where = (problem.lineno or 0) + 1  # as the notebook numbers it, after the %%shard_train line
-        hint = ""
-        if "'await' outside" in str(problem.msg):  # a notebook cell allows top-level await (IPython's autoawait)
-            hint = ". The cell runs as a plain script in each rank: put the async code in an async def and run it with asyncio.run(...)"
-        elif "outside function" in str(problem.msg):
-            hint = ". The cell runs as a plain script in each rank: assign the value to a name and bring it back with --pull NAME"
-        raise UsageError(f"%%shard_train: syntax error in cell line {where}: {problem.msg}{hint}\n    {line.strip()}") from None
-    offending = next(
-        (line.strip() for line in body.splitlines() if line.strip().startswith(("!", "%"))), "(IPython syntax)"
-    )
-    raise UsageError(
-        f"%%shard_train runs the cell as plain Python in each rank, but it uses IPython syntax: "
-        f"{offending!r}. Move shell commands and magics to another cell, or use subprocess / "
-        "the function they stand for."
-    )
 
 
 def _shown_execution_count(shell: Any) -> int:
@@ -161,10 +88,10 @@ class ShardMagics(Magics):
             model = MyModel(cfg)
             losses = train_loop(model, data)
         """
-        args = _parse(self.shard_train, line)
+        args = magic_input.parse_line(self.shard_train, line)
         shell = self._shell
-        _check_plain_python(shell, cell)
-        pull = _names(args.pull, "--pull")
+        magic_input.check_plain_python(shell, cell)
+        pull = magic_input.parse_names(args.pull, "--pull")
         if args.session and args.nnodes != 1:
             raise UsageError("%%shard_train: a session runs on one node; drop --nnodes or --session")
         if args.session and args.profile:
@@ -206,7 +133,7 @@ class ShardMagics(Magics):
         """The cell as a job; ``held``: names a session's ranks hold, which win over the
         notebook's (its functions, classes and modules, and ``--push`` names, are shipped)."""
         user_ns = self._shell.user_ns
-        pushed = _names(args.push, "--push")
+        pushed = magic_input.parse_names(args.push, "--push")
         missing = [name for name in pushed if name not in user_ns]
         if missing:
             raise UsageError(f"--push {', '.join(missing)}: no such name in the notebook")
@@ -225,9 +152,9 @@ class ShardMagics(Magics):
                 run_cell,
                 kwargs={"source": "\n" + cell, "filename": filename, "values": values, "modules": modules,
                         "pull": pull, "pull_all": args.pull_all},
-                nproc=args.nproc, gpus=_gpus(args.gpus), env=_environment(args.env), backend=args.backend,
+                nproc=args.nproc, gpus=magic_input.parse_gpus(args.gpus), env=magic_input.parse_env(args.env), backend=args.backend,
                 timeout=args.timeout, return_all=args.pull_all, name="shard_train",
-                show_ranks=_ranks(args.show_ranks), debug_ranks=_ranks(args.debug_ranks, "--debug-ranks"), max_restarts=args.max_restarts, nnodes=args.nnodes, profile=args.profile,
+                show_ranks=magic_input.parse_ranks(args.show_ranks), debug_ranks=magic_input.parse_ranks(args.debug_ranks, "--debug-ranks"), max_restarts=args.max_restarts, nnodes=args.nnodes, profile=args.profile,
                 **({"grace": args.grace} if args.grace is not None else {}),
             )
         except (ValueError, TypeError) as error:
@@ -283,7 +210,7 @@ class ShardMagics(Magics):
 
             %shard_session llm --nproc 2
         """
-        args = _parse(self.shard_session, line)
+        args = magic_input.parse_line(self.shard_session, line)
         if args.close and args.restart:
             raise UsageError("%shard_session: --restart and --close contradict each other; give one (--restart starts new ranks)")
         if args.close or args.restart:
@@ -307,7 +234,7 @@ class ShardMagics(Magics):
             %shard_debug          # the first rank that raised
             %shard_debug 1 --session llm
         """
-        args = _parse(self.shard_debug, line)
+        args = magic_input.parse_line(self.shard_debug, line)
         running = sessions()
         if args.session is not None:
             running = [s for s in running if s.name == args.session]
@@ -324,21 +251,6 @@ class ShardMagics(Magics):
             raise UsageError(f"%shard_debug: {error}") from None
 
 
-def _parse(magic: Any, line: str) -> Any:
-    """The magic's arguments; an unknown flag is answered with the one it likely means."""
-    try:
-        return parse_argstring(magic, line)
-    except UsageError as error:
-        text = str(error)
-        if not text.startswith("unrecognized arguments:"):
-            raise
-        flags = {flag[2:].replace("-", "_"): flag for action in magic.parser._actions for flag in action.option_strings
-                 if flag.startswith("--")}
-        hints = [f"{token} (did you mean {flags[guess]}?)" for token in text.split(":", 1)[1].split()
-                 if token.startswith("-") and (guess := meant(token, flags))]
-        raise UsageError("; ".join([text, *hints]) + f". The options: %{magic.__name__}?") from None
-
-
 def _is_code(value: Any) -> bool:
     """Functions, classes and modules of the notebook: shipped to a session every time (code one edits)."""
     return isinstance(value, types.ModuleType) or is_notebook_code(value)
@@ -346,9 +258,9 @@ def _is_code(value: Any) -> bool:
 
 def _session_of(args: Any) -> Session:
     """The session a cell names, started with the cell's options on first use."""
-    options: dict[str, Any] = {"nproc": args.nproc, "gpus": _gpus(args.gpus), "grace": args.grace}
+    options: dict[str, Any] = {"nproc": args.nproc, "gpus": magic_input.parse_gpus(args.gpus), "grace": args.grace}
     if args.env:
-        options["env"] = _environment(args.env)
+        options["env"] = magic_input.parse_env(args.env)
     if args.backend != "subprocess":
         options["backend"] = args.backend
     try:
