@@ -47,7 +47,7 @@ _KERNEL_ONLY_PREFIX = "JPY_"
 
 
 class _ErrorFiles(Protocol):
-    """Where a rank's torchelastic error file goes (``nbshard.job.RunDir``)."""
+    """Where a rank's torchelastic error file goes (``nbshard.run_dir.RunDir``)."""
 
     def torchelastic_error(self, rank: int) -> Path: ...
 

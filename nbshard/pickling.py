@@ -23,7 +23,7 @@ import cloudpickle
 from cloudpickle import cloudpickle as _cloudpickle_internals
 
 from nbshard.files import read_json, write_json
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 
 __all__ = [
     "Pickler", "ProcessLocalState", "describe_unpicklable", "dump_job", "find_unpicklable", "is_notebook_code",

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from nbshard.environment import TORCHRUN_VARIABLES, launch_environment, rank_environment
-from nbshard.job import Job, RunDir
+from nbshard.job import Job
+from nbshard.run_dir import RunDir
 
 
 def train(x):

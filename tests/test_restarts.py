@@ -95,7 +95,7 @@ def test_the_restart_line_names_the_rank_that_raised_first_not_the_one_seen_firs
     from nbshard.process import attempts
     from nbshard.contracts import RankOutcome
     from nbshard.files import write_json
-    from nbshard.job import RunDir
+    from nbshard.run_dir import RunDir
 
     errors = RunDir(tmp_path)
     write_json(errors.error(1), {"rank": 1, "time": 100.0, "exc_type": "builtins.RuntimeError", "message": "boom at step 2"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 
 __all__ = ["Backend", "NodeLauncher"]
 

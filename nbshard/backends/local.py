@@ -17,7 +17,7 @@ from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, open_private, write_atomic
 from nbshard.process.fresh import cold_command
 from nbshard.environment import rank_environment
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.ports import pick_port
 
 __all__ = ["LauncherProcess", "LocalNode", "start_cold", "start_local", "start_node"]

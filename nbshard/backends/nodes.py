@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from nbshard.contracts import RankOutcome, RunOutcome, Status
 from nbshard.backends.relay import append_home
-from nbshard.job import CANCEL, KILL, RunDir
+from nbshard.job import CANCEL, KILL
+from nbshard.run_dir import RunDir
 from nbshard.process.supervision import RestartPolicy
 from nbshard.wire import Sender
 

@@ -34,7 +34,8 @@ from nbshard.backends.nodes import NodeGroup
 from nbshard.backends.relay import APPENDED, Forwarder, NodeRelay, append_home, node_environment, node_outcome, read_log
 from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, write_atomic
-from nbshard.job import RANK_FILES, RunDir, check_count, check_seconds
+from nbshard.job import check_count, check_seconds
+from nbshard.run_dir import RANK_FILES, RunDir
 from nbshard.leftovers import hold_alive, sweep_temp
 from nbshard.ports import pick_port
 

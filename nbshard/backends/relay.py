@@ -20,7 +20,7 @@ from pathlib import Path
 import zmq
 
 from nbshard.contracts import RunOutcome
-from nbshard.job import RANK_FILES, RunDir
+from nbshard.run_dir import RANK_FILES, RunDir
 from nbshard.wire import PrivateEndpoint, bind_private
 
 __all__ = [

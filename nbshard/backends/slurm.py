@@ -44,7 +44,8 @@ from nbshard.backends.nodes import NodeGroup
 from nbshard.backends.relay import ENV_ALLOW, Forwarder, NodeRelay, importable_env, move_rank_files, node_outcome, read_log
 from nbshard.contracts import LaunchSpec, RunOutcome
 from nbshard.files import mkdir_private, open_private, read_json, write_atomic, write_json
-from nbshard.job import KILL, RunDir, check_seconds
+from nbshard.job import KILL, check_seconds
+from nbshard.run_dir import RunDir
 from nbshard.ports import pick_port
 
 __all__ = ["ENV_KEEP", "main", "start_slurm"]

@@ -31,7 +31,7 @@ from nbshard.errors import how_it_ended
 from nbshard.backends.warm_launcher import WarmLauncher, process_state
 from nbshard.files import open_private
 from nbshard.environment import TORCHRUN_VARIABLES, import_time_environment
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.leftovers import hold_alive
 
 __all__ = ["WarmLauncher", "WarmProcess", "close_warm", "restart_warm", "start_pending_warm", "warm_launch", "warm_status"]

@@ -27,7 +27,8 @@ from nbshard.kernel.gpus import ranks_environment, visible_gpu_count, warn_if_ke
 from nbshard.kernel.handle import JobHandle, running_jobs
 from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.environment import launch_environment
-from nbshard.job import Job, RunDir, check_ranks_exist
+from nbshard.job import Job, check_ranks_exist
+from nbshard.run_dir import RunDir
 from nbshard.leftovers import process_identity
 from nbshard.limits import check_can_start
 from nbshard.kernel.option_names import unknown_options

@@ -11,7 +11,7 @@ from typing import Any
 
 from nbshard.contracts import RunOutcome
 from nbshard.files import OpenedDir
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.kernel.backlog import LiveBacklog
 from nbshard.kernel.debugging import RankDebugger
 from nbshard.kernel.stages import LaunchStage

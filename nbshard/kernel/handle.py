@@ -23,7 +23,8 @@ from nbshard.kernel.feed import JobFeed
 from nbshard.contracts import Attempt, RunOutcome
 from nbshard.errors import JobCancelled, JobError, JobInterrupted, JobTimedOut
 from nbshard.files import OpenedDir, RunDirReplaced, identity, read_json
-from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, RunDir, check_seconds
+from nbshard.job import CANCEL, KILL, STACK_DUMP_WAIT, Job, check_seconds
+from nbshard.run_dir import RunDir
 from nbshard.kernel.outcome import collect, read_outcome
 from nbshard.kernel.plots import Plot, charts_of
 from nbshard.kernel.profiles import ProfileReport

@@ -23,7 +23,7 @@ from nbshard.errors import (
     signal_name,
 )
 from nbshard.files import OpenedDir
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.kernel.remote import remote_exception
 
 __all__ = ["collect", "read_outcome"]

@@ -35,7 +35,8 @@ from nbshard.kernel.interrupts import deferred_interrupts
 from nbshard.kernel.session_call import CallChannel, CallHandle, call_failure
 from nbshard.kernel.session_options import call_job, check_session_options, one_machine_only
 from nbshard.kernel.plots import Plot, charts_of
-from nbshard.job import POST_MORTEM, Job, RunDir
+from nbshard.job import POST_MORTEM, Job
+from nbshard.run_dir import RunDir
 from nbshard.kernel.payload import pickled_job
 from nbshard.pickling import write_sources
 from nbshard.kernel.telemetry import Telemetry

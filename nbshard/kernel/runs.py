@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from nbshard.files import make_private_dirs, read_json
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.leftovers import process_identity, sweep_temp
 
 __all__ = ["new_run_dir", "prune_runs"]

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from nbshard.contracts import RunOutcome, Status
 from nbshard.errors import JobCancelled, JobError, JobFailed, JobInterrupted, JobTimedOut, RankFailure, SessionLost
 from nbshard.files import OpenedDir
-from nbshard.job import CANCEL, KILL, Job, RunDir
+from nbshard.job import CANCEL, KILL, Job
+from nbshard.run_dir import RunDir
 from nbshard.kernel.handle import JobHandle
 from nbshard.kernel.outcome import remove_results
 from nbshard.kernel.telemetry import read_metrics_files

@@ -13,7 +13,7 @@ from pathlib import Path
 from nbshard.contracts import Attempt, RankOutcome
 from nbshard.errors import signal_name
 from nbshard.files import read_json
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 
 __all__ = ["cause", "first_cause", "record", "set_aside"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from nbshard.errors import PACKAGE_DIR
 from nbshard.files import write_atomic, write_json
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.rank import monitor
 
 __all__ = ["NOTEBOOK_MAIN_ENV", "call_job", "run_job", "user_traceback", "write_error"]

@@ -19,7 +19,8 @@ import socket
 import time
 from typing import Any, Protocol
 
-from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT, RunDir
+from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT
+from nbshard.run_dir import RunDir
 from nbshard.process.kernel_stream import KernelStream
 from nbshard.process.rank_process import Rank
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_atomic
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.limits import raise_open_files
 from nbshard.process.launcher import JobLauncher
 from nbshard.process.reaper import adopt_orphans

@@ -19,7 +19,8 @@ from typing import Any
 from nbshard.contracts import LaunchSpec, RunOutcome, Status
 from nbshard.errors import start_failure
 from nbshard.files import read_json
-from nbshard.job import CANCEL, KILL, RunDir
+from nbshard.job import CANCEL, KILL
+from nbshard.run_dir import RunDir
 from nbshard.ports import pick_port
 from nbshard.process.forking import ForkedProcess
 from nbshard.process.rank_group import RankGroup

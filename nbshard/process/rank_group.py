@@ -25,7 +25,8 @@ from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import signal_name
 from nbshard.files import read_json
 from nbshard.environment import rank_environment
-from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT, RunDir
+from nbshard.job import DEBUG_FD_ENV, STACK_DUMP_WAIT
+from nbshard.run_dir import RunDir
 from nbshard.process.debug_relay import DEBUG, DebugRelay
 from nbshard.process.forking import ForkedProcess, fork_rank
 from nbshard.process.kernel_stream import KernelStream

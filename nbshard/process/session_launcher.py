@@ -34,7 +34,8 @@ from typing import Any
 from nbshard.contracts import LaunchSpec, RankOutcome, RunOutcome, Status
 from nbshard.errors import how_it_ended
 from nbshard.files import write_atomic, write_json
-from nbshard.job import POST_MORTEM, RunDir
+from nbshard.job import POST_MORTEM
+from nbshard.run_dir import RunDir
 from nbshard.process.launcher import FAILURE_GRACE
 from nbshard.process.rank_group import RankGroup
 from nbshard.process.rank_process import CallLog, Rank

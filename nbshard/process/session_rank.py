@@ -31,7 +31,8 @@ from typing import Any
 from nbshard.contracts import LaunchSpec
 from nbshard.files import write_json
 from nbshard.pickling import is_notebook_code
-from nbshard.job import POST_MORTEM, RunDir
+from nbshard.job import POST_MORTEM
+from nbshard.run_dir import RunDir
 
 __all__ = ["PIPES_ENV", "collectives_issued", "in_session", "serve"]
 

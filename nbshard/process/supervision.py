@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nbshard.contracts import Attempt, RunOutcome, Status
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.process import attempts
 
 __all__ = ["RestartPolicy"]

@@ -27,7 +27,7 @@ from nbshard.process import debugger, inner_launchers
 from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
 from nbshard.files import open_private
 from nbshard.process.fresh import MAIN_NAMES
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 from nbshard.stacks import MAIN_THREAD_HEADER
 
 __all__ = ["main", "restore_notebook_main", "run_as_main", "run_forked"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nbshard.files import mkdir_private, write_json
-from nbshard.job import RunDir
+from nbshard.run_dir import RunDir
 
 __all__ = ["COMMUNICATION", "TOP_OPS", "profiled"]
 
