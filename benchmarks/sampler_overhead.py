@@ -14,7 +14,7 @@ import sys
 import time
 
 import nbshard
-from nbshard.rank.monitor import sample_memory
+from nbshard.rank.memory_sample import sample_memory
 
 
 def step_times(steps: int, width: int) -> float:

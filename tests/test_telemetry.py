@@ -9,7 +9,8 @@ import pytest
 
 import nbshard
 from nbshard.kernel.display import RankView, render_html, render_text, sparkline_svg
-from nbshard.rank.monitor import log_metrics, sample_memory
+from nbshard.rank.memory_sample import sample_memory
+from nbshard.rank.monitor import log_metrics
 from nbshard.kernel.telemetry import Telemetry
 
 pytestmark = pytest.mark.timeout(120)

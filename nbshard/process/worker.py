@@ -21,7 +21,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from nbshard.rank import monitor
+from nbshard.rank import memory_sample, monitor
 from nbshard.contracts import LaunchSpec
 from nbshard.process import debugger, inner_launchers
 from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
@@ -141,7 +141,7 @@ def run_as_main(namespace: dict[str, Any]) -> None:
 def run_forked(run_dir: str) -> int:
     """A rank forked from a warm launcher: its ``__main__`` is already fresh (nbshard.process.fresh),
     and its memory is shown as its proportional share (PSS): it shares torch's pages."""
-    monitor.count_proportional_memory()
+    memory_sample.count_proportional_memory()
     _exit(main(run_dir))
     return 1  # not reached: _exit ends the process
 
