@@ -8,7 +8,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,14 +74,19 @@ def processes_of_run(run_id: str) -> dict[int, str]:
     return {pid: cmd for pid, cmd in nbshard_processes().items() if run_id in cmd}
 
 
-def run_gone_within(run_id: str, seconds: float) -> bool:
-    """True once no launcher or rank of the run is left on any node, within ``seconds``."""
+def none_within(seconds: float, find: Callable[[], Any]) -> bool:
+    """True once ``find()`` finds nothing (processes left), within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while processes_of_run(run_id):
+    while find():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+def run_gone_within(run_id: str, seconds: float) -> bool:
+    """True once no launcher or rank of the run is left on any node, within ``seconds``."""
+    return none_within(seconds, lambda: processes_of_run(run_id))
 
 
 def parent_of(pid: int) -> int:

@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import os
 import signal
+import time
 
 import pytest
 
@@ -21,7 +22,7 @@ ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 
 import nbshard  # noqa: E402
 import node_checks  # noqa: E402
 import programs  # noqa: E402
-from conftest import node_launcher, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
+from conftest import node_launcher, none_within, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.relay import node_environment  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
@@ -97,6 +98,65 @@ def test_a_killed_kernel_takes_every_actor_launcher_and_rank_along(cluster, scri
     assert len(processes_of_run(run_id)) == 4
     kernel.process.send_signal(signal.SIGKILL)
     assert run_gone_within(run_id, 5), "a launcher or rank outlived the kernel"  # Ray kills the driver's actors
+
+
+def processes_marked(mark: str) -> list[int]:
+    """Processes whose environment holds ``NBSHARD_TEST_MARK=mark`` (what a script started, and
+    what that started: Ray's own processes included)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and f"NBSHARD_TEST_MARK={mark}".encode() in open(f"/proc/{entry}/environ", "rb").read().split(b"\0"):
+                found.append(int(entry))
+    return found
+
+
+def test_a_kernel_that_exits_during_a_job_on_the_ray_nbshard_started_leaves_nothing_behind(script):
+    # nbshard imports Ray and starts a local one (RAY_ADDRESS=local: not the tests' cluster); Ray's
+    # exit handler then comes after nbshard's, and must not shut Ray down before the job is stopped.
+    mark = f"ray-exit-{os.getpid()}-{time.monotonic_ns()}"
+    kernel = script(
+        f"""
+        import os
+        os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_ADDRESS="local", NBSHARD_TEST_MARK={mark!r})
+        import nbshard, programs
+        import time
+        handle = nbshard.submit(programs.sleep_forever, "ready", nproc=1, nnodes=1, backend="ray")
+        while "ready" not in handle.logs(0):
+            time.sleep(0.1)
+        print("exiting", handle.status, flush=True)  # the kernel exits while the job runs
+        """
+    )
+    assert kernel.wait_for("exiting", timeout=150).split()[1] == "running"
+    code, output = kernel.finish(timeout=60)
+    assert code == 0 and "Traceback" not in output, output  # was: a new local Ray, a traceback, a segfault
+    assert none_within(15, lambda: processes_marked(mark)), f"left running: {processes_marked(mark)}"
+
+
+def test_ray_shut_down_under_a_running_job_fails_it_at_once_and_starts_no_other_ray(cluster, script):
+    kernel = script(
+        f"""
+        import os, time
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray, nbshard, programs
+        ray.init(address={cluster.address!r}, log_to_driver=False)
+        handle = nbshard.submit(programs.sleep_forever, "ready", nproc=1, nnodes=1, backend="ray")
+        while "ready" not in handle.logs(0):
+            time.sleep(0.1)
+        print("run", handle.run_dir.name, flush=True)
+        ray.shutdown()
+        started = time.monotonic()
+        error = handle.exception(timeout=30)
+        print("ended", round(time.monotonic() - started, 1), "ray", ray.is_initialized(), flush=True)
+        print(str(error).splitlines()[0], flush=True)
+        """
+    )
+    run_id = kernel.wait_for("run ", timeout=120).split()[1]
+    _, seconds, _, initialized = kernel.wait_for("ended ", timeout=60).split()
+    assert float(seconds) < 5 and initialized == "False"  # was: never ended, and a new local Ray started
+    code, output = kernel.finish(timeout=30)
+    assert code == 0 and "connection to the Ray its actor runs in ended (ray.shutdown()" in output, output
+    assert run_gone_within(run_id, 10), "the job's launcher or rank outlived the driver that owned its actor"
 
 
 def test_nodes_that_cannot_be_placed_are_a_clear_error(cluster):

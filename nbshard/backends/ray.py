@@ -38,6 +38,20 @@ _OPTIONS = {"num_cpus", "num_gpus", "resources", "place_timeout", "heartbeat", "
 PUMP = 0.05  # seconds between a node's batches of frames
 
 
+def _connection() -> str | None:
+    """The Ray this kernel is connected to now, as its driver's job id; None when it is not. An
+    actor call after ``ray.shutdown()`` would start a new local Ray (Ray's auto-init), and one
+    after a new ``ray.init()`` reaches no actor of the old."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return str(ray.get_runtime_context().get_job_id())
+    except Exception:  # noqa: BLE001 - a Ray mid-shutdown, or a client without the call
+        return "unknown" if ray.is_initialized() else None
+
+
 class RayNode:
     """One node of the run, seen from the kernel: its actor, pumped by a thread of its own."""
 
@@ -49,28 +63,36 @@ class RayNode:
         self._exit: int | None = None
         self._lost: str | None = None
         self._outcome: RunOutcome | None = None
+        self._connection = _connection()  # the Ray its actor lives in
         self._thread = threading.Thread(target=self._pump, name=f"nbshard-ray-node-{node_rank}", daemon=True)
         self._thread.start()
+
+    def _connected(self) -> bool:
+        return _connection() == self._connection
 
     def _pump(self) -> None:
         import ray
 
         answered = time.monotonic()
         while self._exit is None and self._lost is None:
+            if not self._connected():
+                self._lost = "this kernel's connection to the Ray its actor runs in ended (ray.shutdown(), or another ray.init())"
+                break
             try:
                 frames, code = ray.get(self.actor.pump.remote(), timeout=self._heartbeat)
             except ray.exceptions.GetTimeoutError:
                 if time.monotonic() - answered > self._heartbeat:
                     self._lost = f"its Ray actor did not answer for {self._heartbeat:g} s (the node froze or its network failed)"
                 continue
-            except ray.exceptions.RayError as error:
-                self._lost = f"its Ray actor died ({type(error).__name__}: {str(error).splitlines()[0][:300]})"
+            except Exception as error:  # noqa: BLE001 - a RayError, or Ray shut down under the call: the node is lost, never the thread
+                first_line = next(iter(str(error).splitlines()), "")[:300]
+                self._lost = f"its Ray actor died ({type(error).__name__}: {first_line})"
                 continue
             answered = time.monotonic()
             for message in frames:
                 self._forward(message)
             if code is not None:
-                with contextlib.suppress(ray.exceptions.RayError):
+                with contextlib.suppress(Exception):
                     outcome = ray.get(self.actor.outcome.remote(), timeout=self._heartbeat)
                     self._outcome = None if outcome is None else RunOutcome.from_json(outcome)
                 self._exit = code
@@ -87,23 +109,27 @@ class RayNode:
         return self._outcome
 
     def request(self, command: bytes) -> None:
-        self.actor.request.remote(command)
+        if self._connected():  # else its actor is gone with the Ray it ran in
+            self.actor.request.remote(command)
 
     def kill(self) -> None:
         import ray
 
         self.killed = True
-        self.actor.kill.remote()
-        ray.kill(self.actor)
+        if self._connected():
+            self.actor.kill.remote()
+            ray.kill(self.actor)
 
     def live_log(self, rank: int) -> bytes:
         import ray
 
-        return ray.get(self.actor.log.remote(rank), timeout=self._heartbeat)
+        return ray.get(self.actor.log.remote(rank), timeout=self._heartbeat) if self._connected() else b""
 
     def bring_home(self, run_dir: RunDir) -> None:
         import ray
 
+        if not self._connected():
+            return
         for name, size in ray.get(self.actor.rank_files.remote(), timeout=self._heartbeat).items():
             pieces = b"".join(ray.get(self.actor.read.remote(name, offset)) for offset in range(0, max(size, 1), CHUNK))
             if name.startswith(APPENDED):
@@ -115,7 +141,7 @@ class RayNode:
         """Remove this run's directory on the node; the actor itself is the backend's to keep or free."""
         import ray
 
-        if self._lost is None and not self.killed:
+        if self._lost is None and not self.killed and self._connected():
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(self.actor.clean.remote(True), timeout=10)
 
@@ -147,9 +173,10 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
         raise ValueError("backend='ray' gives each node the GPUs Ray assigns it: ask with backend_options={'num_gpus': N}, not gpus=")
     if not ray.is_initialized():
         ray.init(log_to_driver=False)  # RAY_ADDRESS, if set, names the cluster; else a local one starts
+    connection = _connection()
     nnodes = spec.nnodes
     bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options["num_gpus"] else {}), **options["resources"]}
-    pool_key = repr((nnodes, sorted(bundle.items())))
+    pool_key = (connection, repr((nnodes, sorted(bundle.items()))))
     key = run_dir.key.read_bytes()
     job = run_dir.job.read_bytes() if run_dir.job.exists() else None
     node_env = node_environment(env, spec.env, options["env_allow"])
@@ -192,7 +219,7 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
     def cleanup() -> None:
         """Keep the actors when asked and all are healthy, else free them and their placement."""
         forward.close()
-        if current["placed"] is None:
+        if current["placed"] is None or _connection() != connection:  # its actors went with the Ray they ran in
             return
         if options["keep"] and usable(current["nodes"]) and pool_key not in _KEPT:
             _KEPT[pool_key] = current["placed"]
@@ -202,7 +229,8 @@ def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Seq
     return NodeGroup(run_dir, nodes, spec.nproc_per_node, spec.address, cleanup, relaunch=launch, max_restarts=spec.max_restarts)
 
 
-_KEPT: dict[str, tuple[Any, list[Any]]] = {}  # placement and actors kept for the next job asking the same
+# Placement and actors kept for the next job asking the same, by the Ray they live in.
+_KEPT: dict[tuple[str | None, str], tuple[Any, list[Any]]] = {}
 
 
 def _place(ray: Any, nnodes: int, bundle: dict[str, Any], options: dict[str, Any]) -> tuple[Any, list[Any]]:
@@ -250,5 +278,8 @@ def release_kept() -> None:
     """Free the actors and placements that ``keep=True`` kept between jobs."""
     import ray
 
+    connection = _connection()
     while _KEPT:
-        _free(ray, *_KEPT.popitem()[1])
+        (kept_in, _), placed = _KEPT.popitem()
+        if kept_in == connection:  # those of another Ray went with it
+            _free(ray, *placed)

@@ -181,6 +181,7 @@ def launch(job: Job, payload: bytes | None, **session: Any) -> tuple[int, RunDir
         ).write(run_dir.launch)
         env = launch_environment(kernel_env, gpus=job.gpus, extra=job.rank_env)
         launcher = start(run_dir, env, cwd, preload=list(settings.preload) if settings.warm else None)
+        _stop_first_at_exit()
     except BaseException as error:  # nothing started: leave no half-written run behind (a full disk, an interrupt)
         if receiver is not None:
             receiver.close()
@@ -244,6 +245,14 @@ def _stop_at_exit() -> None:
     for handle in jobs():
         handle.kill()
     warm.close_warm()
+
+
+def _stop_first_at_exit() -> None:
+    """Have ``_stop_at_exit`` run before the exit handlers of what a launch imported (they run
+    newest first): Ray registers ``ray.shutdown`` when it is imported, and a Ray shut down before
+    the jobs on it are stopped cannot stop them, while the calls that try start a new Ray."""
+    atexit.unregister(_stop_at_exit)
+    atexit.register(_stop_at_exit)
 
 
 atexit.register(_stop_at_exit)
