@@ -158,8 +158,6 @@ def _options(given: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
-
-
 def start_ray(run_dir: RunDir, env: Mapping[str, str], cwd: str, *, preload: Sequence[str] | None = None) -> NodeGroup:
     """One actor per node, placed by Ray; each starts the node's launcher; a ``NodeGroup``
     supervises them. ``env`` is the kernel's launch environment (only part of it travels)."""
