@@ -34,6 +34,50 @@ def test_a_registered_backend_runs_jobs_through_the_one_launcher():
         get_backend("recorded")
 
 
+class NodeWithABug:
+    """A third-party backend's node that ended, but whose outcome() raises."""
+
+    def poll(self):
+        return 0
+
+    def lost(self):
+        return None
+
+    def outcome(self):
+        raise RuntimeError("the backend's own bug")
+
+    def request(self, command):
+        pass
+
+    def kill(self):
+        pass
+
+    def close(self):
+        pass
+
+    def bring_home(self, run_dir):
+        pass
+
+    def live_log(self, rank):
+        return b""
+
+
+def test_a_backend_whose_node_raises_fails_the_job_with_that_error():
+    from nbshard.backends.nodes import NodeGroup
+
+    def start_buggy(run_dir, env, cwd, *, preload=None):
+        spec = LaunchSpec.read(run_dir.launch)
+        return NodeGroup(run_dir, [NodeWithABug() for _ in range(spec.nnodes)], spec.nproc_per_node, spec.address)
+
+    register_backend("buggy", start_buggy)
+    try:
+        with pytest.raises(nbshard.JobFailed, match=r"(?s)supervising the nodes failed: RuntimeError: the backend's own bug.*"
+                                                     r"Likely cause: a bug in the backend that started the nodes"):
+            nbshard.run(programs.rank_and_value, 3, nproc=1, nnodes=2, backend="buggy", timeout=30)
+    finally:
+        del BACKENDS["buggy"]
+
+
 def test_a_backend_needs_a_name_and_a_function():
     with pytest.raises(ValueError, match="non-empty string"):
         register_backend("", print)

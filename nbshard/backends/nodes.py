@@ -19,11 +19,13 @@ import contextlib
 import subprocess
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from nbshard.contracts import RankOutcome, RunOutcome, Status
+from nbshard.contracts import NODES_FAILED, RankOutcome, RunOutcome, Status
 from nbshard.backends.relay import append_home
+from nbshard.files import open_private
 from nbshard.job import CANCEL, KILL
 from nbshard.run_dir import RunDir
 from nbshard.process.supervision import RestartPolicy
@@ -68,18 +70,19 @@ class NodeGroup:
         self._ended: dict[int, float] = {}
         self._lost: dict[int, str] = {}
         self._done = threading.Event()
+        self._code = 0  # 1 once supervising failed (see _broke)
         self._thread = threading.Thread(target=self._supervise, name=f"nbshard-nodes-{run_dir.path.name}", daemon=True)
         self._thread.start()
 
     # -- the launcher interface --------------------------------------------
 
     def poll(self) -> int | None:
-        return 0 if self._done.is_set() else None
+        return self._code if self._done.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._done.wait(timeout):
             raise subprocess.TimeoutExpired("nbshard nodes", timeout or 0)
-        return 0
+        return self._code
 
     def request(self, command: bytes) -> None:
         if command in (CANCEL, KILL):  # not an answer to a rank's debugger: every node's launcher picks its own
@@ -116,8 +119,21 @@ class NodeGroup:
             )
             outcome.write(self._run_dir.outcome)
             self._send({"kind": "end", "status": outcome.status, "storage_error": outcome.storage_error})
+        except Exception as error:  # noqa: BLE001 - a backend's node that raises must end the run, and say why
+            self._broke(error)
         finally:
             self._done.set()
+
+    def _broke(self, error: Exception) -> None:
+        """Stop every node, and leave the reason where the kernel reads a launcher's own failure
+        (its log's last line, with a non-zero exit)."""
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.kill()
+        self._code = 1
+        with contextlib.suppress(OSError), open_private(self._run_dir.launcher_log, "a") as log:
+            log.write("".join(traceback.format_exception(error)))
+            log.write(f"{NODES_FAILED}: {type(error).__name__}: {error}\n")
 
     def _restart(self, text: str, restart_count: int) -> None:
         self._send({"kind": "event", "event": "note", "text": text})

@@ -12,7 +12,7 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from nbshard.contracts import OTHER_VERSION, RankOutcome, RunOutcome, Status
+from nbshard.contracts import NODES_FAILED, OTHER_VERSION, RankOutcome, RunOutcome, Status
 from nbshard.errors import (
     JobCancelled,
     JobError,
@@ -105,13 +105,15 @@ def _launcher_died(files: OpenedDir, run_dir: RunDir, launcher_exit: int | None)
         lines = []
     if launcher_exit is not None and launcher_exit > 0 and lines:
         tail = "\n".join(f"    {line}" for line in lines[-LAUNCHER_LOG_TAIL:])
-        cause = (
-            "nbshard was upgraded or reinstalled after this kernel imported it (restart the kernel), or the "
-            "job's PYTHONPATH or another node holds another nbshard (install the kernel's there)."
-            if OTHER_VERSION in lines[-1] else
-            "the job's environment (env=, e.g. PYTHONHOME or PYTHONPATH) or this machine's limits keep Python "
-            "or nbshard from starting there."
-        )
+        if OTHER_VERSION in lines[-1]:
+            cause = ("nbshard was upgraded or reinstalled after this kernel imported it (restart the kernel), or the "
+                     "job's PYTHONPATH or another node holds another nbshard (install the kernel's there).")
+        elif NODES_FAILED in lines[-1]:
+            cause = ("a bug in the backend that started the nodes (one of its nodes raised; the traceback above "
+                     "says where), or in nbshard. Every node was stopped.")
+        else:
+            cause = ("the job's environment (env=, e.g. PYTHONHOME or PYTHONPATH) or this machine's limits keep Python "
+                     "or nbshard from starting there.")
         return (
             f"The nbshard launcher failed by itself ({how}) before the job ended: {lines[-1].strip()}\n"
             f"The last lines of its log ({run_dir.launcher_log}):\n{tail}\nLikely cause: {cause}"
