@@ -1,9 +1,9 @@
 """The job spec and its checks (``nbshard.run_dir``: the run directory's layout;
 ``nbshard.environment``: what each rank's environment holds).
 
-Pure: nothing here starts a process or reads the machine, so every decision
-(which variables a rank sees, which files a run has) is a function a test can
-call and compare.
+Pure: nothing here starts a process or reads the machine, so every check of a
+job (a bad option, a rank it names that will not exist) is a function a test
+can call and compare.
 """
 
 from __future__ import annotations
