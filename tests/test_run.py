@@ -57,6 +57,12 @@ def test_a_peers_name_or_a_typo_for_an_option_says_which_one_is_meant(runs_dir, 
     assert not runs_dir.exists() or not any(runs_dir.iterdir())
 
 
+def test_args_as_the_peers_take_them_says_where_positional_arguments_go(runs_dir):
+    with pytest.raises(TypeError, match=r"args \(the function's positional arguments go after it, as run\(fn, \*args\) takes them\)"):
+        nbshard.submit(programs.rank_and_value, args=(3,), nproc=1)  # torch.multiprocessing.spawn's spelling
+    assert not runs_dir.exists() or not any(runs_dir.iterdir())
+
+
 def test_a_peers_name_for_a_session_option_says_which_one_is_meant(runs_dir):
     with pytest.raises(TypeError, match=r"unknown session option\(s\) nprocs \(did you mean nproc\?\)"):
         nbshard.session("s", nprocs=2)

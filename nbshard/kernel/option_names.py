@@ -21,6 +21,11 @@ PEER_NAMES = {
     "port": "master_port",
     "use_port": "master_port",  # accelerate's notebook_launcher
 }
+# Peers' names for what is no option here, with where it goes instead.
+NOT_OPTIONS = {
+    # torch.multiprocessing.spawn(fn, args=...) and notebook_launcher(fn, args=...)
+    "args": "the function's positional arguments go after it, as run(fn, *args) takes them",
+}
 
 
 def meant(name: str, known: Iterable[str]) -> str | None:
@@ -39,6 +44,11 @@ def meant(name: str, known: Iterable[str]) -> str | None:
 def unknown_options(unknown: Iterable[str], known: Iterable[str]) -> str:
     """``"nprocs (did you mean nproc?), foo"``: each unknown name, with the one it likely means."""
     known = sorted(known)
-    return ", ".join(
-        f"{name} (did you mean {guess}?)" if (guess := meant(name, known)) else name for name in sorted(unknown)
-    )
+
+    def said(name: str) -> str:
+        if name in NOT_OPTIONS:
+            return f"{name} ({NOT_OPTIONS[name]})"
+        guess = meant(name, known)
+        return f"{name} (did you mean {guess}?)" if guess else name
+
+    return ", ".join(said(name) for name in sorted(unknown))
