@@ -67,6 +67,7 @@ def test_a_lost_node_is_its_own_failure_ahead_of_what_it_causes():
         handle.result(timeout=30)
     message = str(caught.value)
     assert message.startswith("The job failed because node 1 was lost: its launcher exited (code -9)")
+    assert "The errors of the other nodes' ranks follow from it" in message.splitlines()[0]
     assert caught.value.failures[0].rank == 1 and "node 1 was lost" in caught.value.failures[0].describe()
     assert not wait_until_gone(handle.run_dir, within=5.0)
 

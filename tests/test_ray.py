@@ -156,6 +156,7 @@ def test_ray_shut_down_under_a_running_job_fails_it_at_once_and_starts_no_other_
     assert float(seconds) < 5 and initialized == "False"  # was: never ended, and a new local Ray started
     code, output = kernel.finish(timeout=30)
     assert code == 0 and "connection to the Ray its actor runs in ended (ray.shutdown()" in output, output
+    assert "other nodes" not in output  # the job's one node was the lost one
     assert run_gone_within(run_id, 10), "the job's launcher or rank outlived the driver that owned its actor"
 
 

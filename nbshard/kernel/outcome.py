@@ -201,10 +201,9 @@ def collect(
         )
     elif outcome.lost_nodes:
         lost = "; ".join(f"node {node} was lost: {why}" for node, why in outcome.lost_nodes.items())
-        exception = JobFailed(
-            f"The job failed because {lost}. The errors of the other nodes' ranks follow from it "
-            f"(a peer gone from a collective).{earlier}", failures, where,
-        )
+        others = any(rank.lost is None for rank in outcome.ranks)  # ranks of nodes that were not lost
+        follow = " The errors of the other nodes' ranks follow from it (a peer gone from a collective)." if others else ""
+        exception = JobFailed(f"The job failed because {lost}.{follow}{earlier}", failures, where)
     else:
         first = f"on rank {failures[0].rank}" if failures else "(no rank reported why)"
         exception = JobFailed(f"The job failed {first}.{earlier}", failures, where)
