@@ -74,19 +74,19 @@ def processes_of_run(run_id: str) -> dict[int, str]:
     return {pid: cmd for pid, cmd in nbshard_processes().items() if run_id in cmd}
 
 
-def none_within(seconds: float, find: Callable[[], Any]) -> bool:
-    """True once ``find()`` finds nothing (processes left), within ``seconds``."""
+def left_after(seconds: float, find: Callable[[], Any]) -> Any:
+    """What ``find()`` still finds (processes left) after ``seconds``; empty as soon as it finds nothing."""
     deadline = time.monotonic() + seconds
-    while find():
-        if time.monotonic() > deadline:
-            return False
+    while True:
+        left = find()
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(0.05)
-    return True
 
 
 def run_gone_within(run_id: str, seconds: float) -> bool:
     """True once no launcher or rank of the run is left on any node, within ``seconds``."""
-    return none_within(seconds, lambda: processes_of_run(run_id))
+    return not left_after(seconds, lambda: processes_of_run(run_id))
 
 
 def parent_of(pid: int) -> int:
@@ -120,12 +120,7 @@ def wait_for_ranks(handle: nbshard.JobHandle, count: int, within: float = 60) ->
 
 def wait_until_gone(run_dir: Path | str, within: float) -> dict[int, str]:
     """The processes of ``run_dir`` still alive after ``within`` seconds (empty when all went)."""
-    deadline = time.monotonic() + within
-    while True:
-        left = processes_of(run_dir)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    return left_after(within, lambda: processes_of(run_dir))
 
 
 @pytest.fixture(autouse=True)

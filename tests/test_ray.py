@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray", reason="backend='ray' is optional: pip install 
 import nbshard  # noqa: E402
 import node_checks  # noqa: E402
 import programs  # noqa: E402
-from conftest import node_launcher, none_within, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
+from conftest import left_after, node_launcher, parent_of, processes_of_run, run_gone_within, wait_for_ranks  # noqa: E402
 from nbshard.backends.relay import node_environment  # noqa: E402
 from test_nodes import node_environment as environment_of_a_rank  # noqa: E402
 
@@ -130,7 +130,8 @@ def test_a_kernel_that_exits_during_a_job_on_the_ray_nbshard_started_leaves_noth
     assert kernel.wait_for("exiting", timeout=150).split()[1] == "running"
     code, output = kernel.finish(timeout=60)
     assert code == 0 and "Traceback" not in output, output  # was: a new local Ray, a traceback, a segfault
-    assert none_within(15, lambda: processes_marked(mark)), f"left running: {processes_marked(mark)}"
+    left = left_after(15, lambda: processes_marked(mark))
+    assert not left, f"left running: {left}"
 
 
 def test_ray_shut_down_under_a_running_job_fails_it_at_once_and_starts_no_other_ray(cluster, script):
