@@ -19,11 +19,12 @@ from typing import Any
 
 from nbshard.files import read_json, write_json
 
-__all__ = ["LAUNCH_SPEC_VERSION", "NODES_FAILED", "OTHER_VERSION", "Attempt", "LaunchSpec", "RankOutcome", "RunOutcome", "Status"]
+__all__ = ["EXITING_EVENT", "LAUNCH_SPEC_VERSION", "NODES_FAILED", "OTHER_VERSION", "Attempt", "LaunchSpec", "RankOutcome", "RunOutcome", "Status"]
 
 LAUNCH_SPEC_VERSION = 2  # 2: each wire message is one frame (a kernel and launcher of version 1 send two)
 OTHER_VERSION = "another version of nbshard"  # how a contract read by a mismatched nbshard says so
 NODES_FAILED = "supervising the nodes failed"  # how the kernel's side of a multi-node run says it broke
+EXITING_EVENT = "exiting"  # ranks slow to exit after they returned: {"seconds": {rank: since}, "stacks": {rank: dump}}
 
 
 class Status(str, enum.Enum):

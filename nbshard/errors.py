@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from nbshard.stacks import BETWEEN_CALLS, STARTING, where_stopped
+from nbshard.stacks import BETWEEN_CALLS, EXITING, STARTING, where_stopped
 
 __all__ = [
     "PACKAGE_DIR",
@@ -103,6 +103,15 @@ def how_it_ended(code: int, cause: bool = False) -> str:
     return f"was killed by {signame} ({likely_cause(signame)})" if cause else f"was killed by {signame}"
 
 
+MESSAGE_SHOWN = 2000  # characters of a rank's error message in a job's summary, which names every failed rank
+
+
+def _shortened(message: str) -> str:
+    if len(message) <= MESSAGE_SHOWN:
+        return message
+    return f"{message[:MESSAGE_SHOWN]}... ({len(message) - MESSAGE_SHOWN:,} characters more: the whole message ends the rank's traceback)"
+
+
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
     """Why one rank did not return a value."""
@@ -136,12 +145,12 @@ class RankFailure:
         if self.lost:
             return f"rank {self.rank}: {self.lost}"
         if self.exc_type is not None:
-            raised = f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {self.message}"
+            raised = f"rank {self.rank} raised {self.exc_type.removeprefix('builtins.')}: {_shortened(self.message)}"
             return "\n    ".join([raised, *self.notes])
         if self.stopped:
             where = where_stopped(self.stacks)
-            if where in ([STARTING], [BETWEEN_CALLS]):
-                return f"rank {self.rank} was stopped by nbshard {where[0]}"
+            if where in ([STARTING], [BETWEEN_CALLS]) or where[:1] and where[0].startswith(EXITING):
+                return "\n    ".join([f"rank {self.rank} was stopped by nbshard {where[0]}", *where[1:]])
             return "\n    ".join([f"rank {self.rank} was stopped by nbshard{' at:' if where else ''}", *where])
         if self.signal is not None:
             return f"rank {self.rank} was killed by {self.signal}: {likely_cause(self.signal)}"

@@ -14,7 +14,7 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["BETWEEN_CALLS", "MAIN_THREAD_HEADER", "STARTING", "source_label", "where_stopped"]
+__all__ = ["BETWEEN_CALLS", "EXITING", "MAIN_THREAD_HEADER", "STARTING", "not_exited_note", "source_label", "where_stopped", "why_not_exited"]
 
 MAIN_THREAD_HEADER = "main thread "  # the first line of a rank's stacks file: "main thread 0x..."
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
@@ -32,16 +32,21 @@ _PACKAGE_DIRS = _dirs("purelib", "platlib")
 
 STARTING = "before its function started (nbshard was still setting the rank up)"
 BETWEEN_CALLS = "between calls (it has left the session's call, and waits for the next)"
-_CALL_JOB = "call_job"  # nbshard.process.calls.call_job, the frame that calls the user's function
-_SESSION_LOOP = "serve"  # nbshard.process.session_rank.serve, a session rank's loop of calls
+EXITING = "after its function returned, while exiting"
+_CALL_JOB = ("calls.py", "call_job")  # nbshard.process.calls.call_job, the frame that calls the user's function
+_SESSION_LOOP = ("session_rank.py", "serve")  # nbshard.process.session_rank.serve, a session rank's loop of calls
+_RANK_EXIT = ("worker.py", "_exit")  # nbshard.process.worker._exit, a rank leaving after its function
+_THREAD_JOIN = ("threading.py", "_shutdown")  # Python waiting for the threads that are not daemons
+
+Frame = tuple[str, int, str]  # filename, line, function
 
 
-def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
-    """The main thread's frames in a faulthandler dump, innermost first."""
+def _threads(stacks: str) -> tuple[str, dict[str, list[Frame]]]:
+    """The main thread's id and every thread's frames (innermost first) in a faulthandler dump."""
     lines = stacks.splitlines()
     main = lines[0][len(MAIN_THREAD_HEADER):].strip() if lines and lines[0].startswith(MAIN_THREAD_HEADER) else None
-    threads: dict[str, list[tuple[str, int, str]]] = {}
-    frames: list[tuple[str, int, str]] | None = None
+    threads: dict[str, list[Frame]] = {}
+    frames: list[Frame] | None = None
     for line in lines:
         if (thread := _THREAD.match(line)) is not None:
             frames = threads.setdefault(thread.group(1), [])
@@ -49,7 +54,15 @@ def _main_thread_frames(stacks: str) -> list[tuple[str, int, str]]:
                 main = thread.group(1)
         elif frames is not None and (frame := _FRAME.match(line)) is not None:
             frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
-    return threads.get(main or "", [])
+    return main or "", threads
+
+
+def _ours(frame: Frame) -> bool:
+    return frame[0].startswith(_NBSHARD_DIR + os.sep)
+
+
+def _is(frame: Frame, place: tuple[str, str]) -> bool:
+    return os.path.basename(frame[0]) == place[0] and frame[2] == place[1]
 
 
 def _is_package(filename: str) -> bool:
@@ -81,13 +94,40 @@ def where_stopped(stacks: str, limit: int = 3) -> list[str]:
     """Where a rank's main thread was, in a few lines: its innermost frames of user code
     (a cell as ``Cell In[N], line L``) and the installed package it was inside (a
     collective in torch), nothing of nbshard or the standard library (threading, runpy).
-    ``[STARTING]`` when it had not reached the user's function yet; empty when the dump
-    shows no frame at all."""
-    every = _main_thread_frames(stacks)
-    ours = [f for f in every if f[0].startswith(_NBSHARD_DIR + os.sep)]
-    if ours and not any(name == _CALL_JOB for _, _, name in ours):
-        return [BETWEEN_CALLS if any(name == _SESSION_LOOP for _, _, name in ours) else STARTING]
-    frames = [f for f in every if f not in ours]
+    ``[STARTING]`` when it had not reached the user's function yet, ``[BETWEEN_CALLS]`` in a
+    session between calls, ``EXITING`` and ``why_not_exited``'s lines once its function had returned; empty
+    when the dump shows no frame at all."""
+    main, threads = _threads(stacks)
+    every = threads.get(main, [])
+    ours = [f for f in every if _ours(f)]
+    if any(_is(f, _RANK_EXIT) for f in ours):
+        why = why_not_exited(stacks, limit)
+        return [f"{EXITING}: {why[0]}", *why[1:]] if why else [EXITING]
+    if ours and not any(_is(f, _CALL_JOB) for f in ours):
+        return [BETWEEN_CALLS if any(_is(f, _SESSION_LOOP) for f in ours) else STARTING]
+    return _where([f for f in every if f not in ours], limit)
+
+
+def why_not_exited(stacks: str, limit: int = 3) -> list[str]:
+    """What a rank whose function returned does instead of exiting, in a few lines: waiting
+    for a thread that is not a daemon (where one of the job's threads is), or running an atexit
+    handler (where the main thread is); empty when the dump shows no frame."""
+    main, threads = _threads(stacks)
+    every = threads.get(main, [])
+    if any(_is(f, _THREAD_JOIN) for f in every):
+        others = [frames for thread, frames in threads.items() if thread != main and frames and not any(map(_ours, frames))]
+        others.sort(key=lambda frames: all(_is_library(f[0]) for f in frames))  # those running the job's code first
+        waits = "Python waits for the threads the job started that are not daemon threads"
+        return [f"{waits}; one of the job's threads is at:", *_where(others[0], limit)] if others else [waits]
+    if not every:
+        return []
+    where = _where([f for f in every if not _ours(f)], limit)
+    return [f"it runs an exit handler (atexit){', at:' if where else ''}", *where]
+
+
+def _where(frames: list[Frame], limit: int) -> list[str]:
+    """The innermost ``limit`` frames of user code with their source lines, and the package
+    the innermost frame is in where that is not user code."""
     user = [f for f in frames if not _is_library(f[0])][:limit]
     lines = []
     for filename, lineno, name in reversed(user):
@@ -99,3 +139,21 @@ def where_stopped(stacks: str, limit: int = 3) -> list[str]:
         filename, lineno, name = frames[0]
         lines.append(f"  inside {name} ({filename}, line {lineno})")
     return lines
+
+
+def not_exited_note(seconds: dict[str, float], stacks: dict[str, str]) -> str:
+    """The cell's note on ranks whose function returned ``seconds`` ago and that still run: what
+    each waits for, ranks in the same place named together."""
+    places: dict[tuple[str, ...], list[str]] = {}
+    for rank in seconds:
+        places.setdefault(tuple(why_not_exited(stacks.get(rank, ""))), []).append(rank)
+    notes = []
+    for why, ranks in places.items():
+        names = f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
+        since = max(seconds[rank] for rank in ranks)
+        notes.append("\n    ".join([
+            f"{names} returned {since:.0f} s ago and {'have' if len(ranks) > 1 else 'has'} not exited{': ' if why else ''}{why[0] if why else ''}",
+            *why[1:],
+        ]))
+    notes.append("The values are kept: the stop button (handle.cancel()) ends the ranks still exiting, and the job returns.")
+    return "\n    ".join(notes)

@@ -378,3 +378,49 @@ def launcher_state(hold: float = 0.0):
     dist.barrier()
     dist.destroy_process_group()
     return state
+
+
+def finish_in_background(prefix):
+    """Leave a thread and a ThreadPoolExecutor writing a file each after the function returned."""
+    import concurrent.futures
+    import threading
+
+    def write(kind):
+        time.sleep(0.5)
+        with open(f"{prefix}-{kind}-{os.environ['RANK']}", "w") as file:
+            file.write("written")
+
+    threading.Thread(target=write, args=("thread",)).start()
+    concurrent.futures.ThreadPoolExecutor(1).submit(write, "pool")
+    return int(os.environ["RANK"])
+
+
+def spin_forever():
+    while True:
+        time.sleep(0.05)
+
+
+def leave_a_thread_spinning(raising_rank=None):
+    """Every rank starts a thread that never ends (not a daemon); ``raising_rank`` then raises."""
+    import threading
+
+    threading.Thread(target=spin_forever, name="spinning").start()
+    if int(os.environ["RANK"]) == raising_rank:
+        raise ValueError("raised beside a thread that never ends")
+    return f"value of rank {os.environ['RANK']}"
+
+
+def hang_at_exit(value):
+    import atexit
+
+    atexit.register(time.sleep, 600)
+    return value
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text for this error")
+
+
+def raise_unprintable():
+    raise Unprintable()

@@ -87,10 +87,11 @@ def test_job_failed_lists_the_root_cause_first_and_survives_pickling():
 
 
 def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache):
+    import nbshard.process.calls
     import nbshard.process.worker
     from nbshard.stacks import STARTING, where_stopped
 
-    worker, threading_py = nbshard.process.worker.__file__, threading_file()
+    worker, calls, threading_py = nbshard.process.worker.__file__, nbshard.process.calls.__file__, threading_file()
     torch_file = os.path.join(sysconfig.get_paths()["purelib"], "torch", "distributed", "distributed_c10d.py")
     stacks = (
         "main thread 0x00007f00000000aa\n"
@@ -101,7 +102,7 @@ def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache
         "Current thread 0x00007f00000000aa (most recent call first):\n"
         f'  File "{torch_file}", line 4000 in barrier\n'
         f'  File "{CELL}", line 2 in train\n'
-        f'  File "{worker}", line 160 in call_job\n'
+        f'  File "{calls}", line 160 in call_job\n'
         f'  File "{worker}", line 175 in _run\n'
         '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
     )
@@ -115,6 +116,69 @@ def test_where_stopped_shows_the_main_threads_user_frames_only(cell_in_linecache
     assert where_stopped("main thread 0x1\n") == []  # a rank that never answered
     starting = stacks.replace("line 2 in train", "line 747 in _function_getstate").replace("in call_job", "in _install_notebook_main")
     assert where_stopped(starting) == [STARTING]  # stopped while nbshard loaded the job: no library frame shown
+
+
+def rank_dump(main: list[tuple[str, int, str]], *others: list[tuple[str, int, str]]) -> str:
+    """A rank's faulthandler dump: its main thread's frames and other threads', innermost first."""
+    def frames(thread: list[tuple[str, int, str]]) -> str:
+        return "".join(f'  File "{filename}", line {line} in {name}\n' for filename, line, name in thread)
+    threads = [f"Thread 0x{0xbb + n:016x} (most recent call first):\n{frames(thread)}\n" for n, thread in enumerate(others)]
+    return f"main thread 0x{0xaa:016x}\n{''.join(threads)}Current thread 0x{0xaa:016x} (most recent call first):\n{frames(main)}"
+
+
+def nbshard_file(module: str) -> str:
+    import importlib
+
+    return importlib.import_module(f"nbshard.{module}").__file__
+
+
+def test_a_warm_ranks_start_is_not_taken_for_a_sessions_wait_between_calls():
+    from nbshard.stacks import BETWEEN_CALLS, STARTING, where_stopped
+
+    # A rank forked from the warm process runs inside that process's own loop, which is also named serve.
+    warm = [(nbshard_file("process.calls"), 200, "run_job"), (nbshard_file("process.worker"), 145, "run_forked"),
+            (nbshard_file("process.forking"), 41, "fork_child"), (nbshard_file("process.forkserver"), 180, "serve"),
+            (nbshard_file("process.forkserver"), 280, "main")]
+    assert where_stopped(rank_dump(warm)) == [STARTING]
+    between = [(nbshard_file("process.session_rank"), 110, "next"), (nbshard_file("process.session_rank"), 180, "serve"), *warm[1:]]
+    assert where_stopped(rank_dump(between)) == [BETWEEN_CALLS]
+
+
+def test_a_rank_slow_to_exit_is_shown_waiting_for_its_exit_handler_or_its_thread(cell_in_linecache):
+    from nbshard.stacks import EXITING, not_exited_note, where_stopped, why_not_exited
+
+    exiting = [(nbshard_file("process.worker"), 110, "_exit"), (nbshard_file("process.worker"), 145, "run_forked")]
+    in_handler = rank_dump([(CELL, 2, "<lambda>"), (threading_file(), 1, "_run_exitfuncs"), *exiting])
+    assert why_not_exited(in_handler) == ["it runs an exit handler (atexit), at:", f'File "{CELL}", line 2, in <lambda>', "    loss = compute(cfg)"]
+    assert where_stopped(in_handler)[0] == f"{EXITING}: it runs an exit handler (atexit), at:"
+    assert why_not_exited(rank_dump(exiting)) == ["it runs an exit handler (atexit)"]  # a handler in C (time.sleep)
+
+    monitor = [(threading_file(), 331, "wait"), (nbshard_file("rank.monitor"), 73, "_sample_until_stopped")]
+    idle_pool = [(threading_file(), 331, "wait"), (threading_file(), 1000, "_worker")]
+    spinning = [(CELL, 2, "spin"), (threading_file(), 1000, "run")]
+    joining = rank_dump([(threading_file(), 1590, "_shutdown"), (nbshard_file("process.worker"), 98, "_join_threads"), *exiting],
+                        monitor, idle_pool, spinning)
+    assert why_not_exited(joining) == [  # nbshard's own threads are daemons; the job's own code first
+        "Python waits for the threads the job started that are not daemon threads; one of the job's threads is at:",
+        f'File "{CELL}", line 2, in spin', "    loss = compute(cfg)",
+    ]
+    assert why_not_exited("main thread 0x1\n") == []  # a rank that did not answer
+
+    note = not_exited_note({"0": 10.4, "1": 10.6, "2": 10.5}, {"0": joining, "1": joining, "2": in_handler})
+    lines = [line.strip() for line in note.splitlines()]
+    assert lines[0] == "ranks 0, 1 returned 11 s ago and have not exited: " + why_not_exited(joining)[0]
+    assert "rank 2 returned 10 s ago and has not exited: it runs an exit handler (atexit), at:" in lines
+    assert lines[-1].startswith("The values are kept: the stop button (handle.cancel())")
+
+
+def test_a_huge_error_message_is_shortened_in_the_summary_of_every_rank():
+    from nbshard.errors import MESSAGE_SHOWN
+
+    error = JobFailed("The job failed on rank 1.", [failure(message="x" * 5_000_000), failure(rank=0, message="y" * 5_000_000)], "/runs/x")
+    text = str(error)
+    assert len(text) < 3 * MESSAGE_SHOWN
+    assert f"... ({5_000_000 - MESSAGE_SHOWN:,} characters more: the whole message ends the rank's traceback)" in text
+    assert str(JobFailed("The job failed on rank 1.", [failure()], "/runs/x")).splitlines()[1].strip() == "rank 1 raised ValueError: loss is nan"
 
 
 def threading_file():

@@ -43,6 +43,14 @@ def test_a_raising_rank_fails_the_job_fast_with_its_traceback_first():
     assert str(error).splitlines()[0] == "The job failed on rank 1."
 
 
+def test_an_error_whose_text_cannot_be_made_is_still_reported_as_raised():
+    with pytest.raises(nbshard.JobFailed) as caught:
+        nbshard.run(programs.raise_unprintable, nproc=1)
+    root = caught.value.failures[0]
+    assert (root.exc_type, root.message) == ("programs.Unprintable", "<exception str() failed: RuntimeError>")
+    assert type(caught.value.__cause__) is programs.Unprintable
+
+
 def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause():
     with pytest.raises(nbshard.JobFailed) as caught:
         nbshard.run(programs.kill_self, 1, signal.SIGKILL, nproc=2)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import processes_of, wait_until_gone
+from nbshard.run_dir import RunDir
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,6 +82,27 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_next_cell_works(kernel
     for rank in (0, 1):  # the full dumps stay in the logs
         assert "Current thread" in (run_dir / f"rank-{rank}.log").read_text()
     assert kernel.execute("print(nbshard.run(lambda: 'next', nproc=2))").user_stdout.strip() == "next"
+
+
+def test_the_stop_button_on_ranks_that_returned_but_do_not_exit_gives_the_cell_its_value(kernel, runs_dir):
+    kernel.execute(
+        "import nbshard\n"
+        "def hangs_at_exit():\n"
+        "    import atexit, time\n"
+        "    atexit.register(time.sleep, 600)\n"
+        "    return 'the value'\n"
+    )
+    msg_id = kernel.submit("value = nbshard.run(hangs_at_exit, nproc=2)\nprint('got', value)")
+    deadline = time.monotonic() + 60
+    while not (runs := list(runs_dir.glob("*-hangs_at_exit-*"))) or not all(RunDir(runs[0]).result(rank).exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, "the ranks never returned"
+        time.sleep(0.05)
+    kernel.manager.interrupt_kernel()
+    result = kernel.collect(msg_id, timeout=30)
+    assert result.error is None, result.traceback
+    assert "got the value" in result.user_stdout
+    assert "the job was cancelled after every rank had returned: stopping ranks 0, 1" in result.stdout
+    assert not wait_until_gone(runs[0], within=5)
 
 
 def test_interrupting_a_wait_for_a_result_leaves_the_job_and_its_handle_working(kernel, runs_dir):

@@ -9,13 +9,14 @@ import collections
 import contextlib
 from typing import Any
 
-from nbshard.contracts import RunOutcome
+from nbshard.contracts import EXITING_EVENT, RunOutcome
 from nbshard.files import OpenedDir
 from nbshard.run_dir import RunDir
 from nbshard.kernel.backlog import LiveBacklog
 from nbshard.kernel.debugging import RankDebugger
 from nbshard.kernel.stages import LaunchStage
 from nbshard.kernel.telemetry import Telemetry
+from nbshard.stacks import not_exited_note
 
 __all__ = ["JobFeed"]
 
@@ -42,9 +43,11 @@ class JobFeed:
             self.telemetry.add(message)
         elif kind == "dropped":
             self.note_dropped(message["rank"], message["count"])
-        elif kind == "event" and message.get("event") == "note":
-            if not self.debugger.say(str(message["text"])):  # the reader waits in input(): shown now
-                self.live.note(str(message["text"]))
+        elif kind == "event" and message.get("event") in ("note", EXITING_EVENT):
+            # Ranks slow to exit are described here, where a notebook cell's frames have its source.
+            text = str(message["text"]) if message["event"] == "note" else not_exited_note(message["seconds"], message["stacks"])
+            if not self.debugger.say(text):  # the reader waits in input(): shown now
+                self.live.note(text)
         elif kind == "debug":
             self.debugger.arrived(message)
             self.live.wake()

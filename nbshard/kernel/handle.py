@@ -215,9 +215,10 @@ class JobHandle:
         else:
             self._launcher.request(command)
 
-    def _interrupted(self) -> BaseException:
-        """What an interrupt raises once the job has ended."""
-        return JobInterrupted(self.job.label, self._exception)
+    def _interrupted(self) -> BaseException | None:
+        """What an interrupt raises once the job has ended; None where the job returned all the
+        same (each rank had returned, and the stop ended only exits that took long)."""
+        return None if self._exception is None else JobInterrupted(self.job.label, self._exception)
 
     def profile(self) -> ProfileReport:
         """A job run with ``profile=True``: per rank, the operators with the most self time and

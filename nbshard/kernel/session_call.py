@@ -130,9 +130,9 @@ class CallHandle(JobHandle):
             self._session._names = set(files.read_json(self._paths.names))
         return value, self._session._call_error(outcome, error, str(self.run_dir))
 
-    def _interrupted(self) -> BaseException:
-        if isinstance(self._exception, SessionLost):
-            return self._exception
+    def _interrupted(self) -> BaseException | None:
+        if self._exception is None or isinstance(self._exception, SessionLost):
+            return self._exception  # None: the call had ended (returned) as the interrupt came
         return JobInterrupted(self.job.label, self._exception, then=f"every rank left it: session {self._session.name!r} lives on")
 
 

@@ -54,7 +54,7 @@ class Watched(Protocol):
     def summary(self) -> str: ...
     def profile(self) -> ProfileReport: ...
     def add_done_callback(self, fn: Callable[[Any], Any]) -> None: ...
-    def _interrupted(self) -> BaseException: ...
+    def _interrupted(self) -> BaseException | None: ...
 
 
 def watch(handle: Watched, out: Any) -> None:
@@ -102,7 +102,8 @@ def watch(handle: Watched, out: Any) -> None:
             except KeyboardInterrupt:
                 handle.kill()
                 handle._done.wait()
-            raise handle._interrupted() from None
+            if (interrupted := handle._interrupted()) is not None:  # else it returned all the same: its value stands
+                raise interrupted from None
         finally:
             backlog.patient = debugger.watched = False
             show(None if live is not None else memory_text(handle, peak=True), most=None)

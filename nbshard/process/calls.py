@@ -160,7 +160,7 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
             "rank": rank,
             "time": time.time(),
             "exc_type": f"{cls.__module__}.{cls.__qualname__}",
-            "message": str(error),
+            "message": _message(error),
             "frames": _frames(tb),
             "traceback": text,
             "notes": [*getattr(error, "__notes__", ()), *([hint] if hint else [])],
@@ -168,6 +168,14 @@ def write_error(run_dir: RunDir, rank: int, error: BaseException, hint: str = ""
             "pickle_problem": pickle_problem,
         },
     )
+
+
+def _message(error: BaseException) -> str:
+    """``str(error)``; where that raises, what Python's own traceback says then."""
+    try:
+        return str(error)
+    except Exception as problem:  # noqa: BLE001 - the rank's error is reported all the same
+        return f"<exception str() failed: {type(problem).__name__}>"
 
 
 def call_job(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

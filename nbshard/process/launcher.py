@@ -22,6 +22,7 @@ from nbshard.files import read_json
 from nbshard.job import CANCEL, KILL
 from nbshard.run_dir import RunDir
 from nbshard.ports import pick_port
+from nbshard.process.exits import SlowExits
 from nbshard.process.forking import ForkedProcess
 from nbshard.process.rank_group import RankGroup
 from nbshard.process.rank_process import Rank
@@ -42,6 +43,8 @@ class JobLauncher:
         self.deadline = float("inf")
         # With several nodes, the kernel's NodeGroup restarts every node: a node never restarts alone.
         self.policy = RestartPolicy(run_dir, spec.max_restarts if spec.nnodes == 1 else 0, "every rank", self._mark_log)
+        self.exits = SlowExits(run_dir)
+        self.only_exits = False  # stopped (a cancel, the timeout) when every rank had returned: the values stand
 
     # -- the Driver's events ----------------------------------------------------
 
@@ -52,17 +55,18 @@ class JobLauncher:
         for line in self.group.kernel_lines(fd):
             if line == KILL.decode().strip():
                 self.group.final = True
-                self.group.request_stop(Status.CANCELLED, stacks=False, grace=0)
+                self.stop(Status.CANCELLED, stacks=False, grace=0)
             elif line == CANCEL.decode().strip():
                 self.group.final = True
-                self.group.request_stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
+                self.stop(Status.CANCELLED, stacks=True, grace=self.spec.grace)
             else:
                 self.group.debug.command(line)
 
     def rank_ended(self, proc: Rank, code: int) -> None:
         """A rank returned, or its failure (the first) stops the others."""
         group = self.group
-        proc.ok = code == 0 and self.run_dir.result(proc.rank).exists()
+        # A rank stopped while it was exiting had returned: the stop was of its exit alone.
+        proc.ok = (code == 0 or self.only_exits and proc.stopped) and self.run_dir.result(proc.rank).exists()
         group.log_error(proc)
         if not proc.ok and group.stop_reason is None:
             group.first_failure = proc.rank
@@ -74,7 +78,22 @@ class JobLauncher:
 
     def tick(self, now: float) -> None:
         if now >= self.deadline and self.group.stop_reason is None:
-            self.group.request_stop(Status.TIMED_OUT, stacks=True, grace=self.spec.grace)
+            self.stop(Status.TIMED_OUT, stacks=True, grace=self.spec.grace)
+        if self.group.stop_reason is None and (slow := self.exits.tick(self.group.ranks, now)) is not None:
+            self.group.stream.send(slow)
+
+    def stop(self, reason: Status, *, stacks: bool, grace: float) -> None:
+        """Stop every rank for ``reason`` (a cancel, the timeout); where each had returned and
+        some are only exiting still, the job's values stand and the job succeeds."""
+        group = self.group
+        if group.stop_reason is None and group.ranks:
+            exiting = [p.rank for p in group.ranks if p.running and self.exits.returned(p)]
+            if all(p.ok or p.rank in exiting for p in group.ranks):
+                self.only_exits = True
+                what = "was cancelled" if reason is Status.CANCELLED else f"ran past its timeout of {self.spec.timeout:g} s"
+                group.note(f"the job {what} after every rank had returned: stopping rank{'s' * (len(exiting) > 1)} "
+                           f"{', '.join(map(str, exiting))}, which had not exited yet; the values are kept.")
+        group.request_stop(reason, stacks=stacks, grace=grace)
 
     def tag(self, message: dict[str, Any]) -> dict[str, Any]:
         return message
@@ -100,6 +119,7 @@ class JobLauncher:
         port = pick_port(self.spec.master_port) if one_node else self.spec.master_port
         if port is None:
             raise ValueError("a job of several nodes starts each node's launcher with the port node 0 chose (LaunchSpec.master_port), and this one has none")
+        self.exits, self.only_exits = SlowExits(self.run_dir), False
         for retry in range(PORT_ATTEMPTS):
             if retry:
                 restart_count += 1
@@ -111,6 +131,10 @@ class JobLauncher:
                 self.group.final = True
                 self.group.stop_started_ranks()
             self.group.supervise()
+            if self.only_exits:
+                outcome = self.group.outcome(port)
+                outcome.status = Status.SUCCEEDED
+                return outcome, restart_count
             if not (one_node and retry + 1 < PORT_ATTEMPTS and self._port_was_taken(port)):
                 return self.group.outcome(port), restart_count
             self.group.note(f"MASTER_PORT {port} was taken by another program before rank 0 could listen on it; restarting the ranks on another port")

@@ -100,9 +100,23 @@ def _skip_torch_library_finalizers() -> None:
             finalizer.atexit = False
 
 
+def _join_threads() -> None:
+    """Wait for the threads the job started that are not daemons, as Python does before a
+    script exits (``threading._shutdown``): work a ThreadPoolExecutor still holds (an async
+    checkpoint's write, an upload in the background) is finished, not cut off."""
+    shutdown = getattr(threading, "_shutdown", None)  # private: without it, they are not waited for
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+
+
 def _exit(code: int) -> None:
-    """Run atexit handlers, flush, and leave without the interpreter's teardown."""
+    """Leave as a script does (after a success, the job's non-daemon threads are waited for;
+    then atexit handlers run and the streams are flushed), without the interpreter's teardown.
+    A failed rank does not wait for its threads: the launcher learns of a failure from its
+    exit, and stops the other ranks then."""
     _skip_torch_library_finalizers()
+    if code == 0:
+        _join_threads()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
