@@ -19,8 +19,7 @@ from nbshard.run_dir import RunDir
 __all__ = ["NOTE_AFTER", "SlowExits"]
 
 NOTE_AFTER = 10.0  # seconds after its function returned before the cell hears where a rank still is
-CHECK_EVERY = 1.0  # seconds between looks at the ranks' result files
-STACKS_WAIT = 0.5  # seconds for a rank to dump its stacks once asked
+LOOK_EVERY = 0.5  # seconds between looks at the ranks' result files (and for a rank to dump its stacks once asked)
 
 
 class SlowExits:
@@ -43,7 +42,7 @@ class SlowExits:
         seconds since each returned, and its stacks), or None."""
         if now < self.next_look:
             return None
-        self.next_look = now + min(CHECK_EVERY, STACKS_WAIT)
+        self.next_look = now + LOOK_EVERY
         slow: dict[str, float] = {}
         stacks: dict[str, str] = {}
         for proc in ranks:
@@ -56,7 +55,7 @@ class SlowExits:
                 if now - self.returned_at[proc] >= NOTE_AFTER:
                     proc.ask_stacks(self.run_dir.stacks(proc.rank))
                     self.asked_at[proc] = now
-            elif now - self.asked_at[proc] >= STACKS_WAIT:
+            elif now - self.asked_at[proc] >= LOOK_EVERY:
                 self.noted.add(proc)
                 slow[str(proc.rank)] = round(now - self.returned_at[proc], 1)
                 stacks[str(proc.rank)] = proc.read_stacks(self.run_dir.stacks(proc.rank))

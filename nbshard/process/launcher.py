@@ -86,10 +86,10 @@ class JobLauncher:
         """Stop every rank for ``reason`` (a cancel, the timeout); where each had returned and
         some are only exiting still, the job's values stand and the job succeeds."""
         group = self.group
-        if group.stop_reason is None and group.ranks:
-            exiting = [p.rank for p in group.ranks if p.running and self.exits.returned(p)]
-            if all(p.ok or p.rank in exiting for p in group.ranks):
-                self.only_exits = True
+        exiting = [p.rank for p in group.ranks if p.running and self.exits.returned(p)]
+        if group.stop_reason is None and group.ranks and all(p.ok or p.rank in exiting for p in group.ranks):
+            self.only_exits = True
+            if exiting:
                 what = "was cancelled" if reason is Status.CANCELLED else f"ran past its timeout of {self.spec.timeout:g} s"
                 group.note(f"the job {what} after every rank had returned: stopping rank{'s' * (len(exiting) > 1)} "
                            f"{', '.join(map(str, exiting))}, which had not exited yet; the values are kept.")
