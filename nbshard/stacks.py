@@ -14,9 +14,10 @@ import re
 import sys
 import sysconfig
 
-__all__ = ["BETWEEN_CALLS", "EXITING", "MAIN_THREAD_HEADER", "STARTING", "not_exited_note", "source_label", "where_stopped", "why_not_exited"]
+__all__ = ["BETWEEN_CALLS", "EXITING", "MAIN_THREAD_HEADER", "STARTING", "THREAD_NAME_HEADER", "not_exited_note", "source_label", "where_stopped", "why_not_exited"]
 
 MAIN_THREAD_HEADER = "main thread "  # the first line of a rank's stacks file: "main thread 0x..."
+THREAD_NAME_HEADER = "thread named "  # "thread named 0x... NAME": a thread the rank waits for at its exit
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _NBSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -55,6 +56,16 @@ def _threads(stacks: str) -> tuple[str, dict[str, list[Frame]]]:
         elif frames is not None and (frame := _FRAME.match(line)) is not None:
             frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
     return main or "", threads
+
+
+def _thread_names(stacks: str) -> dict[str, str]:
+    """Thread id -> name, for the threads the rank listed as it began to wait for them."""
+    names = {}
+    for line in stacks.splitlines():
+        if line.startswith(THREAD_NAME_HEADER):
+            ident, _, name = line[len(THREAD_NAME_HEADER):].partition(" ")
+            names[ident] = name
+    return names
 
 
 def _ours(frame: Frame) -> bool:
@@ -115,10 +126,13 @@ def why_not_exited(stacks: str, limit: int = 3) -> list[str]:
     main, threads = _threads(stacks)
     every = threads.get(main, [])
     if any(_is(f, _THREAD_JOIN) for f in every):
-        others = [frames for thread, frames in threads.items() if thread != main and frames and not any(map(_ours, frames))]
-        others.sort(key=lambda frames: all(_is_library(f[0]) for f in frames))  # those running the job's code first
+        others = [(thread, frames) for thread, frames in threads.items() if thread != main and frames and not any(map(_ours, frames))]
+        others.sort(key=lambda other: all(_is_library(f[0]) for f in other[1]))  # those running the job's code first
         waits = "Python waits for the threads the job started that are not daemon threads"
-        return [f"{waits}; one of the job's threads is at:", *_where(others[0], limit)] if others else [waits]
+        if not others:
+            return [waits]
+        name = _thread_names(stacks).get(others[0][0])
+        return [f"{waits}; one of the job's threads{f' ({name!r})' if name else ''} is at:", *_where(others[0][1], limit)]
     if not every:
         return []
     where = _where([f for f in every if not _ours(f)], limit)

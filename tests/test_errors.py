@@ -163,6 +163,9 @@ def test_a_rank_slow_to_exit_is_shown_waiting_for_its_exit_handler_or_its_thread
         f'File "{CELL}", line 2, in spin', "    loss = compute(cfg)",
     ]
     assert why_not_exited("main thread 0x1\n") == []  # a rank that did not answer
+    # The rank lists the threads it waits for, by name, as it begins to wait: the note names the one shown.
+    named = joining.replace("\n", f"\nthread named 0x{0xbd:016x} uploader\nthread named 0x{0xbc:016x} pool\n", 1)
+    assert why_not_exited(named)[0].endswith("one of the job's threads ('uploader') is at:")
 
     note = not_exited_note({"0": 10.4, "1": 10.6, "2": 10.5}, {"0": joining, "1": joining, "2": in_handler})
     lines = [line.strip() for line in note.splitlines()]

@@ -49,7 +49,7 @@ def test_a_rank_slow_to_exit_is_shown_where_it_waits_and_the_timeout_keeps_the_v
     assert time.monotonic() - started < NOTE_AFTER + 15
     out = capsys.readouterr().out
     note = out[out.index("[nbshard]: ranks 0, 1 returned"):]
-    assert "have not exited: Python waits for the threads the job started that are not daemon threads; one of the job's threads is at:" in note
+    assert "have not exited: Python waits for the threads the job started that are not daemon threads; one of the job's threads ('spinning') is at:" in note
     assert "in spin_forever" in note and "time.sleep(0.05)" in note  # the thread's own place and line
     assert "the job ran past its timeout of 13 s after every rank had returned: stopping ranks 0, 1" in out
     assert not wait_until_gone(handle.run_dir, within=5)

@@ -13,6 +13,9 @@ from typing import Any
 from nbshard.files import open_private
 from nbshard.process.forking import ForkedProcess
 from nbshard.process.lines import LineSplitter
+from nbshard.stacks import THREAD_NAME_HEADER
+
+_THREAD_NAME = THREAD_NAME_HEADER.encode()
 
 __all__ = ["CallLog", "Rank"]
 
@@ -64,14 +67,16 @@ class Rank:
         return True
 
     def read_stacks(self, path: Path) -> str:
-        """The file's header (which thread is the main one) and the newest dump; "" when the
-        rank wrote none since it was asked."""
+        """The file's header (which thread is the main one), the names of the threads the rank
+        waits for at its exit, and the newest dump; "" when the rank wrote none since it was asked."""
         with contextlib.suppress(OSError):
             data = path.read_bytes()
-            header, _, _ = data.partition(b"\n")
-            dump = data[self.stacks_from:] if self.stacks_from else data.partition(b"\n")[2]
+            header, _, rest = data.partition(b"\n")
+            dump = data[self.stacks_from:] if self.stacks_from else rest
             if dump.strip():
-                return (header + b"\n" + dump).decode(errors="replace")
+                earlier = data[len(header) + 1:self.stacks_from] if self.stacks_from else b""
+                names = b"".join(line + b"\n" for line in earlier.splitlines() if line.startswith(_THREAD_NAME))
+                return (header + b"\n" + names + dump).decode(errors="replace")
         return ""
 
     def signal(self, signum: int) -> None:

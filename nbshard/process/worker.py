@@ -10,6 +10,7 @@ exception") after the user's code has finished.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import os
@@ -28,11 +29,12 @@ from nbshard.process.calls import NOTEBOOK_MAIN_ENV, call_job, run_job
 from nbshard.files import open_private
 from nbshard.process.fresh import MAIN_NAMES
 from nbshard.run_dir import RunDir
-from nbshard.stacks import MAIN_THREAD_HEADER
+from nbshard.stacks import MAIN_THREAD_HEADER, THREAD_NAME_HEADER
 
 __all__ = ["main", "restore_notebook_main", "run_as_main", "run_forked"]
 
 _PR_SET_PDEATHSIG = 1
+_stacks_file: Any = None  # where faulthandler writes this rank's stacks on request
 
 
 def _die_with_launcher() -> None:
@@ -51,7 +53,8 @@ def _dump_stacks_on_request(path: Path) -> None:
     collective or in C code still answers. The stacks go to a file of their
     own, not to stderr: the cell shows a short summary, the log the whole dump.
     """
-    stacks = open_private(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
+    global _stacks_file
+    _stacks_file = stacks = open_private(path, "w")  # noqa: SIM115 - faulthandler holds it for the life of the rank
     stacks.write(f"{MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
     stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -105,8 +108,14 @@ def _join_threads() -> None:
     script exits (``threading._shutdown``): work a ThreadPoolExecutor still holds (an async
     checkpoint's write, an upload in the background) is finished, not cut off."""
     shutdown = getattr(threading, "_shutdown", None)  # private: without it, they are not waited for
-    if shutdown is not None and threading.current_thread() is threading.main_thread():
-        shutdown()
+    if shutdown is None or threading.current_thread() is not threading.main_thread():
+        return
+    waited = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    if waited and _stacks_file is not None:  # their names, for a dump taken while they are waited for
+        with contextlib.suppress(OSError, ValueError):
+            _stacks_file.write("".join(f"{THREAD_NAME_HEADER}0x{t.ident or 0:016x} {t.name}\n" for t in waited))
+            _stacks_file.flush()
+    shutdown()
 
 
 def _exit(code: int) -> None:
