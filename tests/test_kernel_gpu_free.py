@@ -45,8 +45,9 @@ def test_a_quick_silent_call_shows_one_view_and_a_printing_one_shows_it_above_it
     # Each display waits for the kernel's output thread: a call that ends before the view's first
     # update shows it once, at its end, not once at its start and again as its summary.
     setup = kernel.execute(
-        "import nbshard\ns = nbshard.session('view', nproc=2)\n"
+        "import nbshard, time\ns = nbshard.session('view', nproc=2, sample_interval=0.2)\n"
         "def quiet():\n    return 1\n"
+        "def slow():\n    time.sleep(1.5)\n"
         "def loud():\n    print('hello', flush=True)\n    return 2\n"
         "s.run(quiet)"
     )
@@ -56,12 +57,17 @@ def test_a_quick_silent_call_shows_one_view_and_a_printing_one_shows_it_above_it
     shown = [m for m in quick.messages if m["msg_type"] in ("display_data", "update_display_data")]
     assert [m["msg_type"] for m in shown] == ["display_data"] * 3
     assert all("succeeded" in m["content"]["data"]["text/plain"].splitlines()[0] for m in shown)
+    # A memory chart of a moment (the samples of a call of milliseconds) would say less than the table.
+    assert not any('aria-label="memory' in m["content"]["data"]["text/html"] for m in shown)
     printed = kernel.execute("s.run(loud)")
     assert printed.status == "ok", printed.traceback
     kinds = [m["msg_type"] for m in printed.messages if m["msg_type"] in ("display_data", "update_display_data", "stream")]
     assert kinds[0] == "display_data" and "stream" in kinds, kinds  # the view sits above the lines
     assert "[rank0]: hello" in printed.stdout and "[rank1]: hello" in printed.stdout
     assert "succeeded" in printed.html()[-1]
+    slow = kernel.execute("s.run(slow)")  # its samples span more than a second: a chart says more now
+    assert slow.status == "ok", slow.traceback
+    assert 'aria-label="memory' in slow.html()[-1]
     kernel.execute("s.close()")
 
 

@@ -32,6 +32,7 @@ LIVE_LINES_PER_TICK = 1_000  # lines written to a notebook cell per 0.1 s: far m
 LIVE_VIEW_INTERVAL = 1.0  # seconds between updates of a notebook's live view while run() blocks
 MEMORY_TEXT_INTERVAL = 30.0  # seconds between memory lines printed in a terminal
 RANKS_LISTED = 8  # ranks named one by one in a memory line; more are summed up as a range
+MIN_CHART_SECONDS = 1.0  # the live view draws a memory chart once its samples span this long (handle.plot() always does)
 LIVE_CHART_SIZE = (300, 160)  # pixels of each chart in a live view (handle.plot() draws them larger)
 
 
@@ -188,8 +189,9 @@ def memory_text(handle: Watched, peak: bool) -> str | None:
 
 def _live_charts(handle: Watched) -> str:
     memory, metrics = handle._telemetry.memory(), handle._telemetry.metrics()
-    if len(memory) < 2 * handle.world_size and not metrics:
-        return ""  # a memory chart of one point per rank says less than the table
+    times = [record["time"] for record in memory if record["time"] >= handle.started]
+    if not metrics and (len(memory) < 2 * handle.world_size or not times or max(times) - min(times) < MIN_CHART_SECONDS):
+        return ""  # a memory chart of one point per rank, or of a moment, says less than the table
     return charts_html(charts_of(memory, metrics, handle.started), LIVE_CHART_SIZE[0], LIVE_CHART_SIZE[1])
 
 
