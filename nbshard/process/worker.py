@@ -113,7 +113,8 @@ def _join_threads() -> None:
     waited = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
     if waited and _stacks_file is not None:  # their names, for a dump taken while they are waited for
         with contextlib.suppress(OSError, ValueError):
-            _stacks_file.write("".join(f"{THREAD_NAME_HEADER}0x{t.ident or 0:016x} {t.name}\n" for t in waited))
+            names = (" ".join(str(t.name).split())[:100] for t in waited)  # one line each, whatever a name holds
+            _stacks_file.write("".join(f"{THREAD_NAME_HEADER}0x{t.ident or 0:016x} {name}\n" for t, name in zip(waited, names)))
             _stacks_file.flush()
     shutdown()
 
