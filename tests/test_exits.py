@@ -24,7 +24,7 @@ def test_work_left_in_threads_and_executors_is_finished_before_a_rank_exits(tmp_
     if warm:
         warm_ready()
     handle = nbshard.submit(programs.finish_in_background, str(tmp_path / "written"), nproc=2)
-    assert handle.result(timeout=60) == 0 and handle.warm is warm
+    assert handle.result(timeout=60) == 0 and handle.warm is warm, getattr(handle._launcher, "note", None)
     # As after `python script.py`: both files are there once the job ended, not some time later.
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith("written")) == [
         f"written-{kind}-{rank}" for kind in ("pool", "thread") for rank in (0, 1)
@@ -55,9 +55,12 @@ def test_a_rank_slow_to_exit_is_shown_where_it_waits_and_the_timeout_keeps_the_v
     assert not wait_until_gone(handle.run_dir, within=5)
 
 
-def test_cancelling_a_job_whose_ranks_only_exit_returns_its_value():
-    handle = nbshard.submit(programs.hang_at_exit, "the value", nproc=2)
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_cancelling_a_job_whose_ranks_only_exit_returns_its_value(nnodes):
+    handle = nbshard.submit(programs.hang_at_exit, "the value", nproc=2 // nnodes, nnodes=nnodes)
     results = [RunDir(handle.run_dir).result(rank) for rank in (0, 1)]
+    if nnodes > 1:  # each node's files stay in its own folder until the job ends
+        results = [RunDir(handle.run_dir / "nodes" / f"node-{rank}").result(rank) for rank in (0, 1)]
     deadline = time.monotonic() + 60
     while not all(path.exists() for path in results):
         assert time.monotonic() < deadline and not handle.done(), "the ranks never returned"

@@ -207,7 +207,9 @@ def merge_outcomes(
         else:
             ranks += outcome.ranks
     statuses = {outcome.status for outcome in outcomes if outcome is not None}
-    if cancelled:
+    if statuses == {Status.SUCCEEDED} and not lost:
+        status = Status.SUCCEEDED  # a cancel that came once every rank had returned stopped only their exits
+    elif cancelled:
         status = Status.CANCELLED
     elif lost or Status.FAILED in statuses:
         status = Status.FAILED
