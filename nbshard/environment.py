@@ -66,6 +66,10 @@ def launch_environment(
     # ipykernel selects its inline plotting backend, which does not exist outside a kernel.
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]
+    # ray.init() points the kernel's breakpoint() at the debugger of Ray's driver (and leaves it
+    # after ray.shutdown()); a rank is not Ray's driver, and there breakpoint() raised inside Ray.
+    if env.get("PYTHONBREAKPOINT", "").startswith("ray.util.rpdb."):
+        del env["PYTHONBREAKPOINT"]
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     env["PYTHONUNBUFFERED"] = "1"
@@ -124,7 +128,9 @@ _IMPORT_TIME_PREFIXES = (
     "LD_", "MALLOC_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "LIGHTNING_", "PL_", "NUMEXPR_",
 )
 _IMPORT_TIME_NAMES = {"LANG", "LANGUAGE", "GLIBC_TUNABLES", "TZ"}
-_READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_", "TORCH_COMPILE_")  # per run, or read at use
+_READ_LATER_PREFIXES = (  # per run, or read at use
+    "TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "PYTHONBREAKPOINT",
+)
 APPLIED_AT_FORK = ("OMP_NUM_THREADS",)  # a plain count is applied with torch.set_num_threads
 
 

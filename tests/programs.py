@@ -424,3 +424,9 @@ class Unprintable(Exception):
 
 def raise_unprintable():
     raise Unprintable()
+
+
+def pass_a_breakpoint():
+    """``breakpoint()``, then a value: with nobody to answer (no notebook), the rank goes on."""
+    breakpoint()
+    return "went on"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nbshard.environment import TORCHRUN_VARIABLES, launch_environment, rank_environment
+from nbshard.environment import TORCHRUN_VARIABLES, import_time_environment, launch_environment, rank_environment
 from nbshard.job import Job
 from nbshard.run_dir import RunDir
 
@@ -72,6 +72,16 @@ def test_launch_environment_strips_jupyter_and_sets_gpus():
     env = launch_environment(kernel, gpus=[2, "GPU-abc"], extra={"MY_FLAG": "1"})
     assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,GPU-abc", "PYTHONUNBUFFERED": "1", "MY_FLAG": "1"}
     assert kernel["RANK"] == "7"  # the kernel's mapping is not changed
+
+
+def test_launch_environment_leaves_rays_driver_debugger_to_the_kernel():
+    # ray.init() sets it in the kernel; in a rank, breakpoint() then raised inside Ray.
+    assert "PYTHONBREAKPOINT" not in launch_environment({"PYTHONBREAKPOINT": "ray.util.rpdb._driver_set_trace"}, gpus=None, extra={})
+    assert launch_environment({"PYTHONBREAKPOINT": "0"}, gpus=None, extra={})["PYTHONBREAKPOINT"] == "0"  # a person's own choice
+    chosen = {"PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"}  # asked for in env=: kept
+    assert launch_environment({}, gpus=None, extra=chosen)["PYTHONBREAKPOINT"] == "ray.util.rpdb.set_trace"
+    # Read at each breakpoint(), not at start-up: a warm process started before it changed still serves.
+    assert import_time_environment({"PYTHONBREAKPOINT": "0", "PYTHONHASHSEED": "1"}) == {"PYTHONHASHSEED": "1"}
 
 
 def test_launch_environment_keeps_the_kernels_gpus_unless_told():

@@ -168,6 +168,14 @@ def test_nodes_that_cannot_be_placed_are_a_clear_error(cluster):
         nbshard.submit(print, nproc=1, backend="ray", backend_options={"num_gpu": 1})
 
 
+def test_breakpoint_in_a_local_rank_is_nbshards_after_ray_init_in_the_kernel(cluster):
+    # ray.init() points the kernel's breakpoint() at Ray's driver debugger; a local rank
+    # inherited it, and its breakpoint() raised AttributeError inside Ray.
+    if not os.environ.get("PYTHONBREAKPOINT", "").startswith("ray.util.rpdb."):
+        pytest.skip("this Ray does not set the kernel's PYTHONBREAKPOINT")
+    assert nbshard.run(programs.pass_a_breakpoint, nproc=1, timeout=60) == "went on"
+
+
 def test_only_the_allow_listed_part_of_the_kernels_environment_travels():
     kernel = {"HOME": "/home/me", "PATH": "/bin", "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "SECRET": "x", "MY_FLAG": "1"}
     assert node_environment(kernel, {"EXTRA": "2"}, ("MY_",)) == {
