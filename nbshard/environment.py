@@ -16,6 +16,7 @@ __all__ = [
     "import_time_environment",
     "launch_environment",
     "rank_environment",
+    "without_rays_debugger",
 ]
 
 # What torchrun's elastic agent sets for each worker (torch/distributed/elastic/
@@ -66,15 +67,19 @@ def launch_environment(
     # ipykernel selects its inline plotting backend, which does not exist outside a kernel.
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]
-    # ray.init() points the kernel's breakpoint() at the debugger of Ray's driver (and leaves it
-    # after ray.shutdown()); a rank is not Ray's driver, and there breakpoint() raised inside Ray.
-    if env.get("PYTHONBREAKPOINT", "").startswith("ray.util.rpdb."):
-        del env["PYTHONBREAKPOINT"]
+    env = without_rays_debugger(env)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def without_rays_debugger(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the ``PYTHONBREAKPOINT`` Ray sets in its own processes (``ray.init()`` in
+    the kernel, and in every actor): ranks are not Ray's driver or workers, and there Ray's
+    debugger raised inside Ray where nbshard's should take the ``breakpoint()``."""
+    return {k: v for k, v in env.items() if not (k == "PYTHONBREAKPOINT" and v.startswith("ray.util.rpdb."))}
 
 
 def rank_environment(

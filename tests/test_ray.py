@@ -176,6 +176,12 @@ def test_breakpoint_in_a_local_rank_is_nbshards_after_ray_init_in_the_kernel(clu
     assert nbshard.run(programs.pass_a_breakpoint, nproc=1, timeout=60) == "went on"
 
 
+def test_breakpoint_in_a_rank_on_a_ray_node_is_nbshards(cluster):
+    # Ray points every actor's breakpoint() at its own debugger; a rank its node launcher
+    # starts is no Ray worker, and takes nbshard's (the kernel's prompt, or, with nobody to answer, it goes on).
+    assert nbshard.run(programs.pass_a_breakpoint, nproc=1, nnodes=2, backend="ray", timeout=60, return_all=True) == ["went on"] * 2
+
+
 def test_only_the_allow_listed_part_of_the_kernels_environment_travels():
     kernel = {"HOME": "/home/me", "PATH": "/bin", "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "SECRET": "x", "MY_FLAG": "1"}
     assert node_environment(kernel, {"EXTRA": "2"}, ("MY_",)) == {

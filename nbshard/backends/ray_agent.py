@@ -13,6 +13,7 @@ from typing import Any
 
 from nbshard.backends.relay import NodeRelay, node_outcome, read_log
 from nbshard.contracts import LaunchSpec
+from nbshard.environment import without_rays_debugger
 from nbshard.files import mkdir_private, write_atomic
 from nbshard.leftovers import hold_alive, sweep_temp
 from nbshard.ports import pick_port
@@ -58,7 +59,7 @@ class NodeAgent:
             write_atomic(self.run_dir.job, job)
         cwd = spec.cwd if os.path.isdir(spec.cwd) else str(self.folder)
         spec.replace(address=self.address, kernel_pid=os.getpid(), cwd=cwd).write(self.run_dir.launch)
-        self.launcher = start_node(self.run_dir, {**os.environ, **env}, cwd, preload)
+        self.launcher = start_node(self.run_dir, {**without_rays_debugger(os.environ), **env}, cwd, preload)
 
     def pump(self) -> tuple[list[list[bytes]], int | None]:
         """The frames since the last call, and the launcher's exit code once it has ended (read
