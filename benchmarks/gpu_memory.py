@@ -15,7 +15,7 @@ import sys
 import time
 
 import nbshard
-from nbshard.kernel.telemetry import _shown_bytes
+from nbshard.kernel.telemetry import shown_bytes
 
 MiB = 2**20
 
@@ -66,7 +66,7 @@ def main(gib: float = 4.0) -> None:
     print(f"  nbshard gpu_peak_used (NVML)       {(peaks['gpu_peak_used'] or 0) / MiB:9.0f} MiB")
     print(f"  nbshard gpu_peak_allocated (torch) {(peaks['gpu_peak_allocated'] or 0) / MiB:9.0f} MiB")
     print(f"  nbshard gpu_reserved at its highest {max(r['gpu_reserved'] or 0 for r in handle.memory()) / MiB:8.0f} MiB")
-    label, value = max((_shown_bytes(r) for r in handle.memory()), key=lambda shown: shown[1])
+    label, value = max((shown_bytes(r) for r in handle.memory()), key=lambda shown: shown[1])
     print(f"  live view's figure at its highest  {value / MiB:9.0f} MiB ({label})")
     if smi:
         print(f"  ratio nbshard NVML / nvidia-smi    {(peaks['gpu_peak_used'] or 0) / smi:9.3f}")

@@ -8,7 +8,10 @@ the same run, rounds alternated: two Ray actors (each in a gloo group with the o
 with a reason where it is not installed. Medians and the 99th percentile over ``calls``; "steady"
 leaves out each round's first call (the first after the other peers' rounds, a wake-up from
 idle), which is measured on its own: a trivial call after 0.3 s without calls, as a person's
-cells come (every peer here is slower then: idle cores and processes wake).
+cells come (every peer here is slower then: idle cores and processes wake). Beside them, the
+machine's floor for a trivial call: a byte over plain pipes to two processes that imported
+torch and one back from each ("pipes (floor)"). And what a trivial call costs the cores: the
+CPU seconds each of the session's processes spends per call, next to the call's wall time.
 
 Every launch starts the next warm process, which imports torch for a few seconds on the same
 cores; the figures are taken after it settled, as a person's calls come seconds after the
@@ -26,6 +29,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -154,14 +158,70 @@ class IpyparallelEngines:
         self.cluster.stop_cluster_sync()
 
 
+class PipesFloor:
+    """The machine's floor for a trivial call: one byte over plain pipes to two forked children
+    that imported torch, and one back from each; no function, no pickling, no bookkeeping."""
+
+    name = "pipes (floor)"
+    kinds = ("trivial", PAUSED)
+
+    def __init__(self) -> None:
+        # a rank's memory and libraries, as in every peer; then a byte back for each byte
+        child = "import os, torch\nwhile os.read(0, 1):\n    os.write(1, b'k')"
+        self.children = [subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                         for _ in range(2)]
+        self.call(trivial, ())  # each has imported torch
+
+    def call(self, fn: Callable[..., object], args: tuple[object, ...]) -> None:
+        for child in self.children:
+            os.write(child.stdin.fileno(), b"x")  # type: ignore[union-attr]
+        for child in self.children:
+            os.read(child.stdout.fileno(), 1)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        for child in self.children:
+            child.stdin.close()  # type: ignore[union-attr]
+            child.wait(10)
+            child.stdout.close()  # type: ignore[union-attr]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(session: nbshard.Session, calls: int = 1000) -> dict[str, float]:
+    """Seconds of CPU each of a session's processes spends per trivial call (this process, which
+    calls; the launcher; its ranks), with the wall time of a call: what a call costs the cores."""
+    children = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent_of(int(pid)) == session.pid]
+    processes = {"caller": os.getpid(), "launcher": session.pid, **{f"rank process {i}": pid for i, pid in enumerate(children)}}
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+    started = time.perf_counter()
+    for _ in range(calls):
+        session.submit(trivial).result()
+    spent = {name: (cpu_seconds(pid) - before[name]) / calls for name, pid in processes.items()}
+    return {**spent, "wall": (time.perf_counter() - started) / calls}
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def start_peers(alone: bool) -> list[object]:
-    peers: list[object] = [NbshardSession()]
+    peers: list[object] = [NbshardSession(), PipesFloor()]
     for peer in () if alone else (RayActors, IpyparallelEngines):
         try:
             peers.append(peer())
         except ImportError as error:
             print(f"  {peer.name}: skipped ({error}; pip install ray ipyparallel)")
     return peers
+
+
+def runs(peer: object, kind: str) -> bool:
+    return kind in getattr(peer, "kinds", (*KINDS, PAUSED))
 
 
 def timed(peer: object, fn: Callable[..., object], args: tuple[object, ...]) -> float:
@@ -218,12 +278,14 @@ def main(calls: int, alone: bool) -> None:
     steady = {(peer.name, kind): [] for peer in peers for kind in KINDS}  # type: ignore[attr-defined]
     for peer in peers:  # warm-up
         for fn, args in KINDS.values():
-            for _ in range(5):
+            for _ in range(5 if runs(peer, "trivial") else 0):
                 timed(peer, fn, args)
     time.sleep(SETTLE)
     for _ in range(max(1, calls // 10)):
         for peer in peers:
             for kind, (fn, args) in KINDS.items():
+                if not runs(peer, kind):
+                    continue
                 round_times = [timed(peer, fn, args) for _ in range(10)]
                 times[peer.name, kind] += round_times  # type: ignore[attr-defined]
                 steady[peer.name, kind] += round_times[1:]  # type: ignore[attr-defined]
@@ -235,7 +297,7 @@ def main(calls: int, alone: bool) -> None:
     print(f"2 CPU ranks, each in a gloo group; nbshard warm start: {ours.warm}")  # type: ignore[attr-defined]
     for kind in kinds:
         base = statistics.median(times[ours.name, kind])  # type: ignore[attr-defined]
-        for peer in peers:
+        for peer in (peer for peer in peers if runs(peer, kind)):
             values = times[peer.name, kind]  # type: ignore[attr-defined]
             median = statistics.median(values)
             ratio = "" if peer is ours else f"   nbshard/peer {base / median:4.2f}"
@@ -243,9 +305,14 @@ def main(calls: int, alone: bool) -> None:
             steady_p99 = f" (steady {quantile(still, 0.99) * 1e3:5.2f})" if still else " " * 16
             print(f"  {kind:17s} {peer.name:20s} median {median * 1e3:6.2f} ms   "  # type: ignore[attr-defined]
                   f"p99 {quantile(values, 0.99) * 1e3:6.2f} ms{steady_p99}{ratio}")
+    session = ours.session  # type: ignore[attr-defined]
+    spent = cpu_per_call(session)
+    wall = spent.pop("wall")
+    by_process = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in spent.items())
+    print(f"  CPU per trivial call, by process (the other peers idle): {by_process}; "
+          f"{sum(spent.values()) * 1e3:.2f} ms in all, in {wall * 1e3:.2f} ms of wall time on {os.cpu_count()} CPUs")
     for peer in peers[1:]:
         peer.close()  # type: ignore[attr-defined]
-    session = ours.session  # type: ignore[attr-defined]
     seconds, raised = time_to_interrupt(session, sleep_in_python, "sleeping")
     print(f"  interrupt, a call sleeping in Python: ended after {seconds:.3f} s ({raised}; session {session.state})")
     seconds, raised = time_to_interrupt(session, stuck_on_rank_0, "waiting")
