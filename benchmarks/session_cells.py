@@ -159,7 +159,7 @@ class IpyparallelEngines:
 
 
 class PipesFloor:
-    """The machine's floor for a trivial call: one byte over plain pipes to two forked children
+    """The machine's floor for a trivial call: one byte over plain pipes to two child processes
     that imported torch, and one back from each; no function, no pickling, no bookkeeping."""
 
     name = "pipes (floor)"
@@ -277,8 +277,8 @@ def main(calls: int, alone: bool) -> None:
     times = {(peer.name, kind): [] for peer in peers for kind in kinds}  # type: ignore[attr-defined]
     steady = {(peer.name, kind): [] for peer in peers for kind in KINDS}  # type: ignore[attr-defined]
     for peer in peers:  # warm-up
-        for fn, args in KINDS.values():
-            for _ in range(5 if runs(peer, "trivial") else 0):
+        for kind, (fn, args) in KINDS.items():
+            for _ in range(5 if runs(peer, kind) else 0):
                 timed(peer, fn, args)
     time.sleep(SETTLE)
     for _ in range(max(1, calls // 10)):
