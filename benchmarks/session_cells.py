@@ -185,8 +185,15 @@ class PipesFloor:
             child.stdout.close()  # type: ignore[union-attr]
 
 
+def stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name: the state is field 0, the parent 1, user and
+    system CPU ticks 11 and 12."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -205,8 +212,8 @@ def cpu_per_call(session: nbshard.Session, calls: int = 1000) -> dict[str, float
 
 def _parent_of(pid: int) -> int | None:
     try:
-        return int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
+        return int(stat_fields(pid)[1])
+    except (OSError, IndexError, ValueError):  # gone meanwhile
         return None
 
 
