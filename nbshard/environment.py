@@ -133,9 +133,8 @@ _IMPORT_TIME_PREFIXES = (
     "LD_", "MALLOC_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "LIGHTNING_", "PL_", "NUMEXPR_",
 )
 _IMPORT_TIME_NAMES = {"LANG", "LANGUAGE", "GLIBC_TUNABLES", "TZ"}
-_READ_LATER_PREFIXES = (  # per run, or read at use
-    "TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "PYTHONBREAKPOINT",
-)
+_READ_LATER_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_", "TORCH_COMPILE_")  # per run, or read at use
+_READ_LATER_NAMES = {"PYTHONBREAKPOINT"}  # read at each breakpoint()
 APPLIED_AT_FORK = ("OMP_NUM_THREADS",)  # a plain count is applied with torch.set_num_threads
 
 
@@ -147,6 +146,6 @@ def import_time_environment(env: Mapping[str, str], preload: Sequence[str] = ())
     return {
         name: value for name, value in env.items()
         if (name in _IMPORT_TIME_NAMES or name.startswith(prefixes))
-        and name not in TORCHRUN_VARIABLES and not name.startswith(_READ_LATER_PREFIXES)
+        and name not in TORCHRUN_VARIABLES and name not in _READ_LATER_NAMES and not name.startswith(_READ_LATER_PREFIXES)
         and not (name in APPLIED_AT_FORK and value.isdigit() and int(value) > 0)
     }

@@ -58,9 +58,9 @@ def test_a_rank_slow_to_exit_is_shown_where_it_waits_and_the_timeout_keeps_the_v
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_cancelling_a_job_whose_ranks_only_exit_returns_its_value(nnodes):
     handle = nbshard.submit(programs.hang_at_exit, "the value", nproc=2 // nnodes, nnodes=nnodes)
-    results = [RunDir(handle.run_dir).result(rank) for rank in (0, 1)]
-    if nnodes > 1:  # each node's files stay in its own folder until the job ends
-        results = [RunDir(handle.run_dir / "nodes" / f"node-{rank}").result(rank) for rank in (0, 1)]
+    # On several nodes, each node's files stay in its own folder until the job ends.
+    folders = [handle.run_dir / "nodes" / f"node-{rank}" if nnodes > 1 else handle.run_dir for rank in (0, 1)]
+    results = [RunDir(folder).result(rank) for rank, folder in enumerate(folders)]
     deadline = time.monotonic() + 60
     while not all(path.exists() for path in results):
         assert time.monotonic() < deadline and not handle.done(), "the ranks never returned"
